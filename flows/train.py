@@ -1,0 +1,28 @@
+"""The RL loop, one screen: warm start → N × (rollout → score → process → train → publish) → evaluate.
+
+Run it with `gyre train --preset quick` (which calls this flow), or from a Prefect deployment.
+Rerunning with the same parameters resumes: finished steps return from their completion markers.
+"""
+from __future__ import annotations
+
+from prefect import flow
+
+from gyre_core.config import load_config
+from tasks import rl
+
+
+@flow(name="gyre-train", flow_run_name="train-{preset}", validate_parameters=True)
+def train(preset: str = "default", overrides: list[str] | None = None, steps: int | None = None) -> dict:
+    overrides = list(overrides or []) + ([f"rl.steps={steps}"] if steps is not None else [])
+    cfg = load_config(preset, overrides)          # a bad parameter fails here, before any work
+    run_dir = rl.prepare(preset, overrides)
+    rl.warm_start(run_dir)
+    rl.evaluate(run_dir, "before")
+    for step in range(cfg.rl.steps):
+        rl.rollout(run_dir, step)
+        rl.score(run_dir, step)
+        rl.process(run_dir, step)
+        rl.train(run_dir, step)
+        rl.publish(run_dir, step)
+    rl.evaluate(run_dir, "after")
+    return rl.summarize(run_dir)

@@ -1,0 +1,244 @@
+"""The one config schema. Importable without torch.
+
+    from gyre_core.config import load_config
+    cfg = load_config("quick", ["rl.lr=1e-4", "rollout.group_size=8"])
+
+Presets live in `gyre_core/presets/<name>.yaml`; overrides are dotted `key=value` pairs whose value is
+parsed as YAML. Every error is a `ConfigError` whose message is one line naming the field.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+PRESET_DIR = Path(__file__).parent / "presets"
+
+
+class ConfigError(ValueError):
+    """A bad preset, override or value. The message is one line naming the field."""
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True, validate_assignment=True)
+
+
+class RunConfig(_Section):
+    name: str | None = None
+    """Run id. Default: derived from the preset and seed, so rerunning the same command resumes."""
+    seed: int = 0
+    """Seed for model init, sampling and task order."""
+    out_root: str = "data/runs"
+    """Where run directories (checkpoints, markers, resolved config, plots) are written."""
+    threads: int = 0
+    """torch intra-op threads; 0 uses torch's default."""
+
+
+class ModelConfig(_Section):
+    path: str | None = None
+    """An HF causal-LM directory to start from. None: build a tiny Qwen2 model and train a tokenizer."""
+    hidden_size: int = Field(128, gt=0)
+    """Tiny model: hidden width."""
+    num_layers: int = Field(3, gt=0)
+    """Tiny model: decoder layers."""
+    num_heads: int = Field(4, gt=0)
+    """Tiny model: attention heads."""
+    num_kv_heads: int = Field(2, gt=0)
+    """Tiny model: key/value heads (grouped-query attention)."""
+    ffn_size: int = Field(384, gt=0)
+    """Tiny model: MLP width."""
+    vocab_size: int = Field(512, ge=259)
+    """Tiny model: target vocabulary of the locally trained byte-level BPE tokenizer."""
+    max_positions: int = Field(4096, gt=0)
+    """Tiny model: longest context it can address."""
+    tokenizer_corpus_episodes: int = Field(200, gt=0)
+    """Episodes of environment text used to train the tokenizer."""
+
+
+class EnvConfig(_Section):
+    target: str = "gyre_core.envs.babyai:BabyAIEnv"
+    """Dotted path `module:callable` returning an object that satisfies `gyre_core.envs.Environment`."""
+    kwargs: dict[str, Any] = Field(default_factory=lambda: {"level": "BabyAI-GoToLocal-v0"})
+    """Keyword arguments for the callable (e.g. `level`)."""
+    train_seed_start: int = Field(0, ge=0)
+    """First environment seed used for training tasks; training seeds count up from here."""
+    eval_seed_start: int = Field(1_000_000_000, ge=0)
+    """First held-out seed. Evaluation seeds never overlap training seeds."""
+
+
+class HarnessConfig(_Section):
+    max_turns: int = Field(64, gt=0)
+    """Turn limit of one execution; an execution that hits it is scored on what it left."""
+    max_execution_tokens: int = Field(200_000, gt=0)
+    """Limit on all tokens (prompt deltas + completions) of one execution."""
+    context_tokens: int = Field(1024, gt=32)
+    """Context budget of one model call; beyond it the harness compacts into a fresh context."""
+    max_new_tokens: int = Field(4, gt=0)
+    """Longest completion of one call."""
+    wall_clock_s: float | None = None
+    """Optional wall-clock limit of an execution (for real sandboxes; breaks determinism)."""
+
+
+class RolloutConfig(_Section):
+    tasks_per_step: int = Field(8, gt=0)
+    """B: distinct tasks per RL step."""
+    group_size: int = Field(8, gt=0)
+    """G: executions per task; advantages are relative within the group."""
+    temperature: float = Field(1.0, gt=0)
+    """Sampling temperature of rollouts and of the sampled evaluation."""
+    concurrency: int = Field(128, gt=0)
+    """Executions run at once; their model calls are batched together."""
+
+
+class WarmStartConfig(_Section):
+    episodes: int = Field(400, ge=0)
+    """Demonstration episodes from the environment's expert."""
+    steps: int = Field(60, ge=0)
+    """Supervised optimizer steps."""
+    batch_size: int = Field(32, gt=0)
+    """Sequences per supervised step."""
+    lr: float = Field(2e-3, gt=0)
+    """Learning rate of the warm start."""
+
+
+class RLConfig(_Section):
+    steps: int = Field(10, ge=0)
+    """RL steps (rollout → score → process → train → publish)."""
+    lr: float = Field(1e-4, gt=0)
+    """Learning rate of the RL optimizer."""
+    clip_low: float = Field(0.2, ge=0)
+    """PPO-clip ε below 1."""
+    clip_high: float = Field(0.28, ge=0)
+    """PPO-clip ε above 1."""
+    epochs: int = Field(1, gt=0)
+    """Passes over one step's batch."""
+    micro_batch_tokens: int = Field(8192, gt=0)
+    """Padded tokens per micro-step (rows × longest); gradients accumulate across micro-steps."""
+    grad_clip: float = Field(1.0, gt=0)
+    """Gradient-norm clip."""
+    partial_reward: float = Field(0.1, ge=0, le=1)
+    """Reward of a failed or timed-out execution = this × its partial-progress score (success = 1)."""
+    advantage_norm: Literal["none", "std"] = "none"
+    """Divide group-relative advantages by the group's reward std (`std`) or not."""
+
+
+class EvalConfig(_Section):
+    episodes: int = Field(200, gt=0)
+    """Held-out episodes for the before/after evaluation (same seeds both times)."""
+    greedy_episodes: int = Field(200, ge=0)
+    """Held-out episodes (the first of the same seeds) for the greedy policy reported beside; 0 skips it."""
+    random_baseline: bool = True
+    """Also report a uniform-random policy on the same seeds."""
+
+
+class LakeConfig(_Section):
+    root: str = "data/lake"
+    """Trajectory lake root: a local path or an fsspec URL such as s3://bucket/prefix."""
+
+
+class TrackingConfig(_Section):
+    uri: str = "sqlite:///data/mlflow/mlflow.db"
+    """MLflow tracking URI (set explicitly; the file store is deprecated)."""
+    experiment: str = "gyre"
+    """MLflow experiment name."""
+
+
+class TrainerConfig(_Section):
+    zero_stage: int = Field(1, ge=0, le=3)
+    """DeepSpeed ZeRO stage."""
+    publish_root: str | None = None
+    """Where policy versions are published (fsspec URL). None: `<run dir>/weights`."""
+
+
+class GyreConfig(_Section):
+    preset: str = "default"
+    """Name of the preset this config came from (informational)."""
+    run: RunConfig = Field(default_factory=RunConfig)
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    env: EnvConfig = Field(default_factory=EnvConfig)
+    harness: HarnessConfig = Field(default_factory=HarnessConfig)
+    rollout: RolloutConfig = Field(default_factory=RolloutConfig)
+    warmstart: WarmStartConfig = Field(default_factory=WarmStartConfig)
+    rl: RLConfig = Field(default_factory=RLConfig)
+    eval: EvalConfig = Field(default_factory=EvalConfig)
+    lake: LakeConfig = Field(default_factory=LakeConfig)
+    tracking: TrackingConfig = Field(default_factory=TrackingConfig)
+    trainer: TrainerConfig = Field(default_factory=TrainerConfig)
+
+    def run_id(self) -> str:
+        return self.run.name or f"{self.preset}-s{self.run.seed}"
+
+
+def presets() -> list[str]:
+    return sorted(p.stem for p in PRESET_DIR.glob("*.yaml"))
+
+
+def _set_dotted(tree: dict, dotted: str, value: Any) -> None:
+    keys = dotted.split(".")
+    node = tree
+    for k in keys[:-1]:
+        child = node.setdefault(k, {})
+        if not isinstance(child, dict):
+            raise ConfigError(f"{dotted}: '{k}' is a value, not a section")
+        node = child
+    node[keys[-1]] = value
+
+
+def _describe(err: ValidationError) -> str:
+    e = err.errors()[0]
+    loc = ".".join(str(p) for p in e["loc"])
+    if e["type"] == "extra_forbidden":
+        section = _section_for(e["loc"][:-1])
+        allowed = ", ".join(section.model_fields) if section else ""
+        return f"{loc}: unknown key (allowed here: {allowed})"
+    got = e.get("input")
+    got_s = "" if isinstance(got, dict) else f" (got {got!r})"
+    return f"{loc}: {e['msg']}{got_s}"
+
+
+def _section_for(loc: tuple) -> type[BaseModel] | None:
+    model: type[BaseModel] = GyreConfig
+    for key in loc:
+        field = model.model_fields.get(str(key))
+        ann = getattr(field, "annotation", None)
+        if not (isinstance(ann, type) and issubclass(ann, BaseModel)):
+            return None
+        model = ann
+    return model
+
+
+def parse_overrides(items: list[str]) -> dict:
+    tree: dict = {}
+    for item in items:
+        if "=" not in item:
+            raise ConfigError(f"override '{item}': expected key=value, e.g. rl.lr=1e-4")
+        key, raw = item.split("=", 1)
+        try:
+            value = yaml.safe_load(raw) if raw != "" else ""
+        except yaml.YAMLError:
+            value = raw
+        _set_dotted(tree, key.strip(), value)
+    return tree
+
+
+def _merge(base: dict, extra: dict) -> dict:
+    out = dict(base)
+    for k, v in extra.items():
+        out[k] = _merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
+def load_config(preset: str = "default", overrides: list[str] | None = None) -> GyreConfig:
+    """Preset YAML + dotted overrides → validated config. Raises ConfigError (one line)."""
+    path = PRESET_DIR / f"{preset}.yaml"
+    if not path.exists():
+        raise ConfigError(f"preset: unknown preset '{preset}' (allowed: {', '.join(presets())})")
+    tree = yaml.safe_load(path.read_text()) or {}
+    tree = _merge(tree, parse_overrides(overrides or []))
+    tree["preset"] = preset
+    try:
+        return GyreConfig.model_validate(tree)
+    except ValidationError as err:
+        raise ConfigError(_describe(err)) from None

@@ -1,0 +1,297 @@
+"""Environments: the Protocol, the plug-in loader and the contract check.
+
+    from gyre_core.envs import load_env, check_environment
+    env = load_env("gyre_core.envs.babyai:BabyAIEnv", level="BabyAI-GoToLocal-v0")
+    problems = check_environment(env)   # [] when the env keeps the contract
+
+A user's own environment plugs in the same way: `load_env("my_pkg.my_env:MyEnv", **kwargs)`, i.e.
+`gyre train --set env.target=my_pkg.my_env:MyEnv`. See `protocol.py` for the contract and the optional
+hooks, and `examples/custom_env.py` for a small complete example.
+"""
+from __future__ import annotations
+
+import importlib
+import itertools
+import math
+import random
+from typing import Any
+
+from gyre_core.envs.protocol import (
+    HOOKS,
+    Environment,
+    Score,
+    StepResult,
+    missing_members,
+    supports,
+)
+
+__all__ = [
+    "HOOKS", "Environment", "Score", "StepResult", "check_environment", "load_env", "missing_members",
+    "supports",
+]
+
+# Text no environment should accept as an action.
+INVALID_ACTION = "@@ not-an-action ?!"
+
+
+def load_env(target: str, **kwargs: Any) -> Environment:
+    """Build the environment named by `target` ("module.path:callable") with `kwargs`.
+
+    Raises ValueError (one line) when the module or attribute does not exist, or when the result does
+    not satisfy the Environment Protocol (naming the missing members).
+    """
+    module_name, sep, attr = target.partition(":")
+    if not sep or not module_name or not attr:
+        raise ValueError(f"env target {target!r} must look like 'module.path:callable'")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as e:
+        raise ValueError(f"env target {target!r}: cannot import module {module_name!r} ({e})") from e
+    obj: Any = module
+    for part in attr.split("."):
+        if not hasattr(obj, part):
+            raise ValueError(f"env target {target!r}: module {module_name!r} has no attribute {attr!r}")
+        obj = getattr(obj, part)
+    if not callable(obj):
+        raise ValueError(f"env target {target!r}: {attr!r} is not callable")
+    env = obj(**kwargs)
+    missing = missing_members(env)
+    if missing:
+        raise ValueError(
+            f"env target {target!r} does not satisfy the Environment protocol: missing {', '.join(missing)}"
+        )
+    return env
+
+
+def check_environment(env: object, seeds: tuple[int, ...] = (0, 1), steps: int = 12) -> list[str]:
+    """Contract violations of `env` (an empty list means it keeps the contract).
+
+    Checks the required members and their types, reset determinism (same seed: same mission, same first
+    observation, same observations for the same actions), that `step` returns a StepResult, that an
+    unparseable action gives valid=False and leaves the state unchanged, that scores are in [0, 1], and
+    the optional hooks (expert_action answers one of `actions` or None; save/restore reproduces the
+    following observations; corpus yields strings deterministically without disturbing the episode).
+    Probes play `steps` actions per seed (random words, half replaced by the expert's when there is
+    one), several times each, so keep `steps` small for slow envs.
+    """
+    missing = missing_members(env)
+    if missing:
+        return [f"missing required members: {', '.join(missing)}"]
+    problems: list[str] = []
+    checks = [_check_members, _check_reset, _check_steps, _check_invalid_action]
+    if supports(env, "expert_action"):
+        checks.append(_check_expert)
+    if supports(env, "save_state"):
+        checks.append(_check_save_restore)
+    if supports(env, "corpus"):
+        checks.append(_check_corpus)
+    for check in checks:
+        try:
+            problems += check(env, seeds, steps)
+        except Exception as e:  # a crash is a violation too; report it and keep checking
+            problems.append(f"{check.__name__[7:]}: raised {type(e).__name__}: {e}")
+    return problems
+
+
+# --- the individual checks; each returns a list of violations -------------------------------------
+
+def _check_members(env: Any, seeds: tuple[int, ...], steps: int) -> list[str]:
+    out = []
+    if not isinstance(env.name, str) or not env.name:
+        out.append("name must be a non-empty str")
+    acts = env.actions
+    if not isinstance(acts, tuple) or not acts:
+        out.append("actions must be a non-empty tuple of str")
+    elif not all(isinstance(a, str) and a and a == a.strip() and " " not in a for a in acts):
+        out.append("actions must be single words without whitespace")
+    elif len(set(acts)) != len(acts):
+        out.append("actions must not repeat")
+    text = env.instructions()
+    if not isinstance(text, str) or not text.strip():
+        out.append("instructions() must return non-empty text")
+    return out
+
+
+def _check_reset(env: Any, seeds: tuple[int, ...], steps: int) -> list[str]:
+    out = []
+    before = env.instructions()
+    for seed in seeds:
+        first, mission = env.reset(seed), env.mission()
+        if not isinstance(first, str) or not isinstance(mission, str):
+            out.append(f"reset({seed}) and mission() must return str")
+            continue
+        ref = _rollout(env, seed, _probe(env, seed, steps))
+        again = _rollout(env, seed, _probe(env, seed, steps))
+        if env.reset(seed) != first or env.mission() != mission:
+            out.append(f"reset({seed}) is not deterministic: "
+                       "a second reset gave a different observation/mission")
+        elif [r.observation for r in ref] != [r.observation for r in again]:
+            out.append(f"seed {seed}: the same actions gave different observations after two resets")
+    if env.instructions() != before:
+        out.append("instructions() must be the same for every episode")
+    return out
+
+
+def _check_steps(env: Any, seeds: tuple[int, ...], steps: int) -> list[str]:
+    out = []
+    for seed in seeds:
+        probe = _probe(env, seed, steps)  # (recording the probe plays it once; start over)
+        env.reset(seed)
+        out += _score_problems(env, f"seed {seed} after reset")
+        for i, action in enumerate(probe):
+            res = env.step(action)
+            if not isinstance(res, StepResult):
+                return out + [f"step() must return StepResult, got {type(res).__name__}"]
+            types = (type(res.observation), type(res.done), type(res.valid))
+            if types != (str, bool, bool):
+                out.append("StepResult fields must be (str, bool, bool)")
+            if not res.valid:
+                out.append(f"step({action!r}) with a word from `actions` gave valid=False")
+            out += _score_problems(env, f"seed {seed} step {i}")
+            if not isinstance(env.summary(), str):
+                out.append("summary() must return str")
+            if res.done:
+                break
+    return sorted(set(out), key=out.index)
+
+
+def _check_invalid_action(env: Any, seeds: tuple[int, ...], steps: int) -> list[str]:
+    out = []
+    for seed in seeds:
+        probe = _probe(env, seed, steps)
+        ref = _rollout(env, seed, probe)
+        at = len(ref) // 2  # inject in the middle of the episode, before a step that was not yet done
+        env.reset(seed)
+        for action in probe[:at]:
+            env.step(action)
+        score_before, summary_before = env.score(), env.summary()
+        bad = env.step(INVALID_ACTION)
+        if not isinstance(bad, StepResult) or bad.valid:
+            out.append(f"step({INVALID_ACTION!r}) must return StepResult with valid=False")
+            continue
+        if not isinstance(bad.observation, str) or not bad.observation:
+            out.append("an invalid action must give a short error message as observation")
+        if bad.done:
+            out.append("an invalid action must not end the episode")
+        if env.score() != score_before or env.summary() != summary_before:
+            out.append("an invalid action changed score() or summary(): the state must stay unchanged")
+        rest = _run(env, probe[at:])
+        if [r.observation for r in rest] != [r.observation for r in ref[at:]]:
+            out.append("an invalid action changed the state: later observations differ")
+    return out
+
+
+def _check_expert(env: Any, seeds: tuple[int, ...], steps: int) -> list[str]:
+    out: list[str] = []
+    for seed in seeds:
+        env.reset(seed)
+        for i in range(4 * steps):
+            action = env.expert_action()
+            if action is None:
+                break
+            if action not in env.actions:
+                return [f"expert_action() returned {action!r}, not one of actions or None"]
+            res = env.step(action)
+            if not res.valid:
+                return [f"expert_action() returned {action!r}, which step() rejected"]
+            out += _score_problems(env, f"seed {seed} expert step {i}")
+            if res.done:
+                break
+    return sorted(set(out), key=out.index)
+
+
+def _check_save_restore(env: Any, seeds: tuple[int, ...], steps: int) -> list[str]:
+    out = []
+    for seed in seeds:
+        probe = _probe(env, seed, 2 * steps)
+        at = len(_rollout(env, seed, probe)) // 2  # fork mid-episode (right after reset if it is short)
+        env.reset(seed)
+        _run(env, probe[:at])
+        state, score, summary = env.save_state(), env.score(), env.summary()
+        first = [r.observation for r in _run(env, probe[at:])]
+        for attempt in ("first", "second"):
+            env.restore_state(state)
+            if env.score() != score or env.summary() != summary:
+                out.append(f"seed {seed}: {attempt} restore_state did not restore score()/summary()")
+            again = [r.observation for r in _run(env, probe[at:])]
+            if again != first:
+                out.append(f"seed {seed}: after the {attempt} restore_state "
+                           "the same actions gave other observations")
+    return sorted(set(out), key=out.index)
+
+
+def _check_corpus(env: Any, seeds: tuple[int, ...], steps: int) -> list[str]:
+    texts = list(itertools.islice(env.corpus(2, 0), 500))
+    if not texts or not all(isinstance(t, str) for t in texts):
+        return ["corpus() must yield at least one str, and only str"]
+    if list(itertools.islice(env.corpus(2, 0), 500)) != texts:
+        return ["corpus(episodes, seed) must be deterministic"]
+    probe = _probe(env, seeds[0], 2)
+    ref = _rollout(env, seeds[0], probe)
+    if len(ref) < 2 or ref[0].done:
+        return []
+    env.reset(seeds[0])
+    env.step(probe[0])
+    list(itertools.islice(env.corpus(1, 7), 200))
+    if env.step(probe[1]).observation != ref[1].observation:
+        return ["corpus() disturbed the current episode"]
+    return []
+
+
+# --- helpers ----------------------------------------------------------------------------------------
+
+def _probe(env: Any, seed: int, steps: int) -> list[str]:
+    """A fixed action sequence for `seed` (the same on every call of a deterministic env): random
+    words, half of them replaced by the expert's when it has one, so probes also reach deep states.
+    Recorded from one rollout; it stops at the action that ended the episode."""
+    rng = random.Random(seed * 7919 + 17)
+    use_expert = supports(env, "expert_action")
+    env.reset(seed)
+    out: list[str] = []
+    for _ in range(steps):
+        action = None
+        if use_expert and rng.random() < 0.5:
+            try:
+                action = env.expert_action()
+            except Exception:  # reported by the expert check; probe randomly here
+                use_expert = False
+        if action not in env.actions:
+            action = rng.choice(env.actions)
+        out.append(action)
+        if env.step(action).done:
+            break
+    return out
+
+
+def _rollout(env: Any, seed: int, actions: list[str]) -> list[StepResult]:
+    env.reset(seed)
+    return _run(env, actions)
+
+
+def _run(env: Any, actions: list[str]) -> list[StepResult]:
+    """Step through `actions`, stopping after the step that ended the episode."""
+    results = []
+    for a in actions:
+        results.append(env.step(a))
+        if results[-1].done:
+            break
+    return results
+
+
+def _score_problems(env: Any, where: str) -> list[str]:
+    s = env.score()
+    if not isinstance(s, Score):
+        return [f"{where}: score() must return Score, got {type(s).__name__}"]
+    out = []
+    if not isinstance(s.success, bool):
+        out.append("Score.success must be bool")
+    p = s.partial
+    if not isinstance(p, (int, float)) or math.isnan(p) or not 0.0 <= p <= 1.0:
+        out.append(f"{where}: Score.partial={p!r} is outside [0, 1]")
+    elif s.success and p != 1.0:
+        out.append(f"{where}: Score.partial must be 1.0 on success, got {p}")
+    if not isinstance(s.details, dict) or not all(
+        isinstance(k, str) and isinstance(v, (int, float)) for k, v in s.details.items()
+    ):
+        out.append("Score.details must map str to numbers")
+    return out

@@ -1,0 +1,74 @@
+"""The environment contract: what the harness needs from an environment.
+
+    from gyre_core.envs import load_env, check_environment
+    env = load_env("gyre_core.envs.babyai:BabyAIEnv", level="BabyAI-GoToLocal-v0")
+    assert check_environment(env) == []
+
+An environment is any object with the members of `Environment` (a Protocol: no base class to inherit).
+Text in, text out: the harness shows `instructions()` as the system prompt, `mission()` and the
+observations as user turns, and passes each decoded model completion to `step()` unchanged.
+
+Optional hooks (use `supports(env, hook)` to ask whether an env has one):
+
+- `expert_action(self) -> str | None` — the demonstrator's next action word for the current state
+  (one of `actions`), or None when it has none. Used to generate warm-start demonstrations through the
+  real harness, so it must follow the state whatever actions were actually taken.
+- `corpus(self, episodes: int, seed: int) -> Iterator[str]` — representative text (instructions,
+  missions, observations, actions, summaries, error messages) for training a tokenizer. Deterministic
+  in (episodes, seed) and must not disturb the env's current episode.
+- `save_state(self) -> object` / `restore_state(self, state) -> None` — a deep-copy snapshot for
+  forking executions; after `restore_state(s)` the same actions give the same observations as they
+  did after `s` was saved, and `s` stays reusable (restore twice, fork twice). Both or neither.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol, runtime_checkable
+
+REQUIRED_ATTRIBUTES = ("name", "actions")
+REQUIRED_METHODS = ("instructions", "reset", "mission", "step", "score", "summary")
+HOOKS = ("expert_action", "corpus", "save_state", "restore_state")
+
+
+@dataclass(slots=True)
+class StepResult:
+    observation: str   # text shown to the agent next
+    done: bool         # the episode is over (by the env's own rules: success, failure or env step cap)
+    valid: bool = True  # False when the action text could not be parsed; observation then is a short
+    #                     error message and the env state is unchanged
+
+
+@dataclass(slots=True)
+class Score:
+    success: bool
+    partial: float     # in [0, 1], computed from the state the execution left behind; 1.0 if success
+    details: dict[str, float] = field(default_factory=dict)  # named sub-scores (e.g. subgoals_done, distance)
+
+
+@runtime_checkable
+class Environment(Protocol):
+    name: str                              # e.g. the level id
+    actions: tuple[str, ...]               # the valid action words (used by a uniform-random baseline)
+
+    def instructions(self) -> str: ...     # system-prompt text: what the agent is and how to answer
+    def reset(self, seed: int) -> str: ... # start episode `seed` (deterministic), return first observation
+    def mission(self) -> str: ...          # the current episode's task text
+    def step(self, action: str) -> StepResult: ...  # `action`: the decoded completion (may hold junk)
+    def score(self) -> Score: ...          # partial score of the current state
+    def summary(self) -> str: ...          # compact progress text (used when the harness compacts)
+
+
+def missing_members(env: object) -> list[str]:
+    """Names of required Protocol members `env` lacks (methods must also be callable)."""
+    missing = [a for a in REQUIRED_ATTRIBUTES if not hasattr(env, a)]
+    missing += [m for m in REQUIRED_METHODS if not callable(getattr(env, m, None))]
+    return missing
+
+
+def supports(env: object, hook: str) -> bool:
+    """Whether `env` implements the optional `hook` (one of HOOKS). Save/restore count only as a pair."""
+    if hook not in HOOKS:
+        raise ValueError(f"unknown hook {hook!r}; known hooks: {', '.join(HOOKS)}")
+    if hook in ("save_state", "restore_state"):
+        return callable(getattr(env, "save_state", None)) and callable(getattr(env, "restore_state", None))
+    return callable(getattr(env, hook, None))

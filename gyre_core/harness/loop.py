@@ -1,0 +1,199 @@
+"""The multi-turn agent loop, written as a state machine so many executions share one batched engine.
+
+    results = run_executions(specs, policy, cfg.harness, make_env, fmt, progress=bar)
+
+Each `Execution` alternates `request()` (the next model call, or None when finished) and
+`deliver(result)`. The history is the context; when the next call would exceed the context budget the
+harness compacts: it opens a fresh context (a new model-call context of the same execution, role
+`main-summary`) from the environment's summary of the state. Turn and token limits are deterministic;
+an optional wall-clock limit exists for real sandboxes. An execution that hits a limit is scored on
+what it left behind; an exception in its environment marks it failed, with the reason, and the others
+go on.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Callable, Protocol
+
+from ..config import HarnessConfig
+from ..records import (CallRecord, ExecutionRecord, STATUS_DONE, STATUS_FAILED, STATUS_TIMEOUT,
+                       STATUS_TOKEN_LIMIT, STATUS_TURN_LIMIT)
+from .conversation import ChatFormat
+
+
+@dataclass(slots=True)
+class ModelCall:
+    """What an execution asks of the policy: the engine's request plus who is asking."""
+
+    key: str
+    prompt_ids: list[int]
+    max_new_tokens: int
+    execution: "Execution"
+
+
+@dataclass(slots=True)
+class Completion:
+    completion_ids: list[int]
+    logprobs: list[float]
+    finish_reason: str
+    version: int
+
+
+class Policy(Protocol):
+    """Anything that answers a batch of model calls (the LLM engine, the expert, a random policy)."""
+
+    def complete(self, calls: list[ModelCall]) -> list[Completion]: ...
+    def release(self, key: str) -> None: ...
+
+
+@dataclass(slots=True)
+class ExecutionSpec:
+    run_id: str
+    step: int
+    execution_id: str
+    task_id: str
+    seed: int
+    split: str
+    policy_version: int = 0
+
+
+class Execution:
+    def __init__(self, spec: ExecutionSpec, env, fmt: ChatFormat, cfg: HarnessConfig, stop_texts: dict[int, str]):
+        self.env, self.fmt, self.cfg, self.stop_texts = env, fmt, cfg, stop_texts
+        self.record = ExecutionRecord(
+            run_id=spec.run_id, step=spec.step, execution_id=spec.execution_id, task_id=spec.task_id,
+            seed=spec.seed, split=spec.split, env=getattr(env, "name", type(env).__name__),
+            policy_version=spec.policy_version, t_start=time.time())
+        self.finished = False
+        self.tokens_used = 0
+        self._prompt: list[int] = []
+        self._context_key = ""
+        self._pending_obs: str | None = None
+        try:
+            obs = env.reset(spec.seed)
+            self.system = env.instructions()
+            self._open_context(f"Mission: {env.mission()}\n{obs}", role="main")
+        except Exception as exc:  # an environment that cannot even start
+            self._fail(exc)
+
+    # -- context management -------------------------------------------------------------------
+    def _open_context(self, user_text: str, role: str) -> None:
+        self._context_index = getattr(self, "_context_index", -1) + 1
+        self._role = role
+        self._prompt = self.fmt.start(self.system, user_text)
+        self._parent_call, self._prefix_len = -1, 0
+        self._context_key = f"{self.record.execution_id}/c{self._context_index}"
+        self._new_tokens = len(self._prompt)
+
+    def _extend_context(self, user_text: str, last: CallRecord) -> None:
+        stopped = self.stop_texts.get(last.completion_ids[-1]) if last.finish_reason == "stop" and last.completion_ids else None
+        base = last.prompt_ids + last.completion_ids
+        extra = self.fmt.continuation(user_text, stopped)
+        if len(base) + len(extra) + self.cfg.max_new_tokens > self.cfg.context_tokens:
+            self.record.compactions += 1
+            self._open_context(f"Mission: {self.env.mission()}\n{self.env.summary()}\n{user_text}",
+                               role="main-summary")
+            return
+        self._prompt = base + extra
+        self._parent_call, self._prefix_len = last.call_index, len(base)
+        self._new_tokens = len(extra)
+
+    # -- the two halves of a turn ---------------------------------------------------------------
+    def request(self) -> ModelCall | None:
+        if self.finished:
+            return None
+        return ModelCall(self._context_key, self._prompt, self.cfg.max_new_tokens, self)
+
+    def deliver(self, out: Completion, t_start: float) -> None:
+        rec = self.record
+        call = CallRecord(
+            execution_id=rec.execution_id, call_index=len(rec.calls), context_index=self._context_index,
+            role=self._role, prompt_ids=self._prompt, completion_ids=list(out.completion_ids),
+            logprobs=list(out.logprobs), versions=[out.version] * len(out.completion_ids),
+            finish_reason=out.finish_reason, parent_call=self._parent_call, prefix_len=self._prefix_len,
+            t_start=t_start, t_end=time.time())
+        rec.calls.append(call)
+        rec.turns += 1
+        self.tokens_used += self._new_tokens + len(call.completion_ids)
+        text = self.fmt.tokenizer.decode(_strip_stop(call.completion_ids, self.stop_texts), skip_special_tokens=True)
+        try:
+            result = self.env.step(text)
+        except Exception as exc:
+            self._fail(exc)
+            return
+        if not result.valid:
+            rec.invalid_actions += 1
+        if result.done:
+            return self._finish(STATUS_DONE)
+        if rec.turns >= self.cfg.max_turns:
+            return self._finish(STATUS_TURN_LIMIT)
+        if self.tokens_used >= self.cfg.max_execution_tokens:
+            return self._finish(STATUS_TOKEN_LIMIT)
+        if self.cfg.wall_clock_s is not None and time.time() - rec.t_start > self.cfg.wall_clock_s:
+            return self._finish(STATUS_TIMEOUT)
+        self._extend_context(result.observation, call)
+
+    def _finish(self, status: str) -> None:
+        self.record.status = status
+        try:
+            score = self.env.score()
+            self.record.success, self.record.partial = bool(score.success), float(score.partial)
+        except Exception as exc:
+            self.record.error = f"score: {type(exc).__name__}: {exc}"
+        self._close()
+
+    def _fail(self, exc: BaseException) -> None:
+        self.record.status = STATUS_FAILED
+        self.record.error = f"{type(exc).__name__}: {exc}"[:2000]
+        self._close()
+
+    def _close(self) -> None:
+        self.finished = True
+        self.record.t_end = time.time()
+
+
+def _strip_stop(ids: list[int], stop_texts: dict[int, str]) -> list[int]:
+    return ids[:-1] if ids and ids[-1] in stop_texts else ids
+
+
+def run_executions(specs: list[ExecutionSpec], policy: Policy, cfg: HarnessConfig, make_env: Callable[[], object],
+                   fmt: ChatFormat, stop_texts: dict[int, str], concurrency: int,
+                   on_finish: Callable[[ExecutionRecord], None] | None = None) -> list[ExecutionRecord]:
+    """Run executions with at most `concurrency` live at once, batching their model calls.
+
+    Records come back in the order of `specs`. `on_finish` is called as each one ends (progress bars).
+    """
+    pending = list(enumerate(specs))[::-1]
+    live: list[tuple[int, Execution]] = []
+    done: dict[int, ExecutionRecord] = {}
+
+    def retire(i: int, ex: Execution) -> None:
+        policy.release(ex._context_key)
+        done[i] = ex.record
+        if on_finish:
+            on_finish(ex.record)
+
+    while pending or live:
+        while pending and len(live) < concurrency:
+            i, spec = pending.pop()
+            ex = Execution(spec, make_env(), fmt, cfg, stop_texts)
+            if ex.finished:
+                retire(i, ex)
+            else:
+                live.append((i, ex))
+        calls = [ex.request() for _, ex in live]
+        t0 = time.time()
+        outs = policy.complete(calls)
+        still: list[tuple[int, Execution]] = []
+        for (i, ex), out in zip(live, outs):
+            key_before = ex._context_key
+            ex.deliver(out, t0)
+            if ex.finished:
+                retire(i, ex)
+            else:
+                if ex._context_key != key_before:
+                    policy.release(key_before)
+                still.append((i, ex))
+        live = still
+    return [done[i] for i in range(len(specs))]

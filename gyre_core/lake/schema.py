@@ -1,0 +1,215 @@
+"""Arrow schemas of the lake's tables and the conversions to and from `gyre_core.records`.
+
+    from gyre_core.lake.schema import executions_table, calls_table, read_executions
+    tables = {"executions": executions_table(records), "calls": calls_table(records)}
+    again = read_executions(tables["executions"], tables["calls"])   # == records
+
+A call's prompt is stored as (parent_call, prefix_len, new_prompt_ids) and rebuilt on read with
+`records.rebuild_prompts`, so storage stays linear in the length of an execution. Log-probs are stored
+as float32: values that are not float32-representable come back rounded to float32 (the engine's
+log-probs are float32 to begin with). Everything else round-trips exactly.
+"""
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import Any, Iterable, Mapping
+
+import pyarrow as pa
+
+from gyre_core.records import SCHEMA_VERSION, CallRecord, ExecutionRecord, rebuild_prompts
+
+METADATA_KEY = b"gyre.schema_version"
+_META = {METADATA_KEY: str(SCHEMA_VERSION).encode()}
+
+_IDS = pa.list_(pa.int32())
+
+EXECUTIONS = pa.schema(
+    [
+        ("run_id", pa.string()),
+        ("step", pa.int64()),
+        ("execution_id", pa.string()),
+        ("task_id", pa.string()),
+        ("seed", pa.int64()),
+        ("split", pa.string()),
+        ("env", pa.string()),
+        ("status", pa.string()),
+        ("error", pa.string()),
+        ("reward", pa.float64()),
+        ("success", pa.bool_()),
+        ("partial", pa.float64()),
+        ("turns", pa.int32()),
+        ("invalid_actions", pa.int32()),
+        ("compactions", pa.int32()),
+        ("policy_version", pa.int32()),
+        ("t_start", pa.float64()),
+        ("t_end", pa.float64()),
+        ("n_calls", pa.int32()),
+        ("tokens_generated", pa.int64()),
+    ],
+    metadata=_META,
+)
+
+CALLS = pa.schema(
+    [
+        ("run_id", pa.string()),
+        ("step", pa.int64()),
+        ("execution_id", pa.string()),
+        ("call_index", pa.int32()),
+        ("context_index", pa.int32()),
+        ("role", pa.string()),
+        ("parent_call", pa.int32()),
+        ("prefix_len", pa.int32()),
+        ("prompt_len", pa.int32()),
+        ("new_prompt_ids", _IDS),          # CallRecord.delta()
+        ("completion_ids", _IDS),
+        ("logprobs", pa.list_(pa.float32())),
+        ("versions", _IDS),
+        ("finish_reason", pa.string()),
+        ("t_start", pa.float64()),
+        ("t_end", pa.float64()),
+    ],
+    metadata=_META,
+)
+
+# What the trainer saw: one row per trained sequence (a sampled root-to-leaf path).
+TRAIN_TOKENS = pa.schema(
+    [
+        ("run_id", pa.string()),
+        ("step", pa.int64()),
+        ("execution_id", pa.string()),
+        ("call_index", pa.int32()),        # the leaf call of the trained path
+        ("advantage", pa.float64()),
+        ("n_tokens", pa.int64()),
+        ("n_trainable", pa.int64()),
+        ("weight", pa.float64()),
+    ],
+    metadata=_META,
+)
+
+# Rewards and group-relative advantages of one step's executions, and why any was excluded.
+SCORES = pa.schema(
+    [
+        ("run_id", pa.string()),
+        ("step", pa.int64()),
+        ("execution_id", pa.string()),
+        ("task_id", pa.string()),
+        ("reward", pa.float64()),
+        ("advantage", pa.float64()),
+        ("excluded", pa.bool_()),
+        ("reason", pa.string()),
+    ],
+    metadata=_META,
+)
+
+SCHEMAS: dict[str, pa.Schema] = {
+    "executions": EXECUTIONS,
+    "calls": CALLS,
+    "train_tokens": TRAIN_TOKENS,
+    "scores": SCORES,
+}
+
+_EXEC_FIELDS = [f.name for f in EXECUTIONS if f.name not in ("n_calls", "tokens_generated")]
+
+
+def executions_table(records: list[ExecutionRecord]) -> pa.Table:
+    """One row per execution (its scores and counters; the calls go to `calls_table`)."""
+    cols: dict[str, list[Any]] = {name: [getattr(r, name) for r in records] for name in _EXEC_FIELDS}
+    cols["n_calls"] = [len(r.calls) for r in records]
+    cols["tokens_generated"] = [r.tokens_generated for r in records]
+    return pa.Table.from_pydict(cols, schema=EXECUTIONS)
+
+
+def calls_table(records: list[ExecutionRecord]) -> pa.Table:
+    """One row per model call, its prompt stored as (parent_call, prefix_len, new_prompt_ids)."""
+    rows = [(r, c) for r in records for c in r.calls]
+    for r, c in rows:
+        _check_call(r, c)
+    cols = {
+        "run_id": [r.run_id for r, _ in rows],
+        "step": [r.step for r, _ in rows],
+        "execution_id": [r.execution_id for r, _ in rows],
+        "call_index": [c.call_index for _, c in rows],
+        "context_index": [c.context_index for _, c in rows],
+        "role": [c.role for _, c in rows],
+        "parent_call": [c.parent_call for _, c in rows],
+        "prefix_len": [c.prefix_len for _, c in rows],
+        "prompt_len": [len(c.prompt_ids) for _, c in rows],
+        "new_prompt_ids": [c.delta() for _, c in rows],
+        "completion_ids": [c.completion_ids for _, c in rows],
+        "logprobs": [c.logprobs for _, c in rows],
+        "versions": [c.versions for _, c in rows],
+        "finish_reason": [c.finish_reason for _, c in rows],
+        "t_start": [c.t_start for _, c in rows],
+        "t_end": [c.t_end for _, c in rows],
+    }
+    return pa.Table.from_pydict(cols, schema=CALLS)
+
+
+def _check_call(r: ExecutionRecord, c: CallRecord) -> None:
+    # Fail at write time, not months later when the prompt cannot be rebuilt.
+    where = f"execution {r.execution_id!r} call {c.call_index}"
+    if c.execution_id != r.execution_id:
+        raise ValueError(f"{where}: belongs to execution {c.execution_id!r}")
+    if not (len(c.completion_ids) == len(c.logprobs) == len(c.versions)):
+        raise ValueError(f"{where}: completion_ids, logprobs and versions differ in length")
+    if c.parent_call < 0 and c.prefix_len != 0:
+        raise ValueError(f"{where}: prefix_len {c.prefix_len} without a parent call")
+    if not 0 <= c.prefix_len <= len(c.prompt_ids):
+        raise ValueError(f"{where}: prefix_len {c.prefix_len} outside the prompt")
+    if c.parent_call >= c.call_index:
+        raise ValueError(f"{where}: parent call {c.parent_call} does not precede it")
+
+
+def train_tokens_table(rows: Iterable[Mapping[str, Any]]) -> pa.Table:
+    """The trainer's rows (dicts with TRAIN_TOKENS' columns) as a table."""
+    return pa.Table.from_pylist(list(rows), schema=TRAIN_TOKENS)
+
+
+def read_executions(executions: pa.Table, calls: pa.Table | None = None) -> list[ExecutionRecord]:
+    """Rebuild ExecutionRecords (with full CallRecords when `calls` is given) from lake tables.
+
+    Calls are matched on (run_id, step, execution_id); an execution's call_index must run 0..n-1.
+    Without `calls` the records come back with empty `calls`.
+    """
+    by_exec: dict[tuple[str, int, str], list[dict[str, Any]]] = defaultdict(list)
+    if calls is not None:
+        for row in calls.to_pylist():
+            by_exec[(row["run_id"], row["step"], row["execution_id"])].append(row)
+    out = []
+    for row in executions.to_pylist():
+        key = (row["run_id"], row["step"], row["execution_id"])
+        rec = ExecutionRecord(**{name: row[name] for name in _EXEC_FIELDS})
+        rec.calls = _rebuild_calls(rec.execution_id, by_exec.pop(key, []))
+        out.append(rec)
+    return out
+
+
+def _rebuild_calls(execution_id: str, rows: list[dict[str, Any]]) -> list[CallRecord]:
+    rows.sort(key=lambda r: r["call_index"])
+    if [r["call_index"] for r in rows] != list(range(len(rows))):
+        raise ValueError(f"execution {execution_id!r}: call_index is not 0..{len(rows) - 1}")
+    prompts = rebuild_prompts(
+        [(r["parent_call"], r["prefix_len"], r["new_prompt_ids"], r["completion_ids"]) for r in rows]
+    )
+    calls = []
+    for r, prompt in zip(rows, prompts):
+        if len(prompt) != r["prompt_len"]:
+            raise ValueError(f"execution {execution_id!r} call {r['call_index']}: prompt rebuilt to "
+                             f"{len(prompt)} tokens, stored prompt_len is {r['prompt_len']}")
+        calls.append(CallRecord(
+            execution_id=execution_id, call_index=r["call_index"], context_index=r["context_index"],
+            role=r["role"], prompt_ids=prompt, completion_ids=r["completion_ids"],
+            logprobs=r["logprobs"], versions=r["versions"], finish_reason=r["finish_reason"],
+            parent_call=r["parent_call"], prefix_len=r["prefix_len"],
+            t_start=r["t_start"], t_end=r["t_end"],
+        ))
+    return calls
+
+
+def duckdb_type(t: pa.DataType) -> str:
+    """DuckDB's name for an Arrow type of these schemas (for empty views)."""
+    if pa.types.is_list(t):
+        return duckdb_type(t.value_type) + "[]"
+    names = {pa.string(): "VARCHAR", pa.int64(): "BIGINT", pa.int32(): "INTEGER",
+             pa.float64(): "DOUBLE", pa.float32(): "FLOAT", pa.bool_(): "BOOLEAN"}
+    return names[t]

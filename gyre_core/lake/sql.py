@@ -1,0 +1,257 @@
+"""Read-only SQL over the lake with DuckDB. `connect()` is the one place that opens DuckDB on it.
+
+    from gyre_core.lake.sql import connect, run_sql
+    print(run_sql("data/lake", "SELECT execution_id, tokens_generated FROM executions"))
+    con = connect("s3://bucket/lake", run_id="run1", storage_options={...})
+
+Views: `executions`, `calls`, `train_tokens` over exactly the files that manifests list (an uncommitted
+part is invisible), and `tokens` (calls unnested: one row per completion token with its log-prob and
+policy version). Read-only is enforced by DuckDB itself, never by filtering SQL text:
+  * the views live in a throwaway database file opened with `read_only=True` (CREATE/INSERT/ATTACH fail);
+  * DuckDB sees the lake only through `gyrelake://`, a registered fsspec filesystem that serves the
+    manifest-listed files for reading and refuses every write (a DuckDB allow-list alone is not enough:
+    `allowed_paths` also permits `COPY ... TO` over a listed file with USE_TMP_FILE false);
+  * then `allowed_directories=['gyrelake://']`, `temp_directory=''` (no spill directory to write to),
+    `enable_external_access=false` (no other file, no INSTALL/LOAD, no secrets) and finally
+    `lock_configuration=true` (no SET/RESET undoes any of it). Extensions are never auto-installed
+    or auto-loaded. S3 goes through s3fs, so DuckDB's httpfs extension (downloaded at run time,
+    unavailable offline) is never needed.
+Session-scoped TEMP tables and macros still work: they live in memory and die with the connection.
+"""
+from __future__ import annotations
+
+import csv
+import io
+import json
+import math
+import os
+import shutil
+import tempfile
+from datetime import datetime
+from typing import Any
+
+import duckdb
+from fsspec import AbstractFileSystem
+
+from gyre_core.lake.schema import SCHEMAS, duckdb_type
+from gyre_core.lake.store import Lake
+
+PROTOCOL = "gyrelake"
+_REFUSED_MARK = "the lake is read-only"
+# Set at start-up; everything else is SET on the open connection, in the order that DuckDB accepts.
+_START_CONFIG = {"autoinstall_known_extensions": "false", "autoload_known_extensions": "false"}
+_LOCKDOWN = (
+    f"SET allowed_directories = ['{PROTOCOL}://']",
+    "SET temp_directory = ''",
+    "SET allow_community_extensions = false",
+    "SET allow_persistent_secrets = false",
+    "SET enable_external_access = false",
+    "SET lock_configuration = true",
+)
+TOKENS_VIEW = """
+CREATE VIEW tokens AS
+SELECT run_id, step, execution_id, call_index, context_index, role,
+       unnest(range(len(completion_ids))) AS position,
+       unnest(completion_ids) AS token_id,
+       unnest(logprobs) AS logprob,
+       unnest(versions) AS version
+FROM calls
+"""
+
+
+class SqlError(RuntimeError):
+    """A query failed (its message is DuckDB's)."""
+
+
+class SqlRefused(SqlError):
+    """A query tried to write, attach, install/load, change settings or read outside the lake."""
+
+
+class _ReadOnlyLakeFS(AbstractFileSystem):
+    """The manifest-listed files of a lake, for reading only, as `gyrelake://<path in the lake>`."""
+
+    protocol = PROTOCOL
+    cachable = False
+
+    def __init__(self, fs: AbstractFileSystem, files: dict[str, dict[str, Any]]):
+        super().__init__()
+        self.fs = fs
+        self.files = files     # name in the lake -> manifest entry {path, bytes, written_at, ...}
+
+    @classmethod
+    def _strip_protocol(cls, path):
+        if isinstance(path, list):
+            return [cls._strip_protocol(p) for p in path]
+        path = str(path)
+        if path.startswith(PROTOCOL + "://"):
+            path = path[len(PROTOCOL) + 3:]
+        return path.strip("/")
+
+    def _open(self, path, mode="rb", **kwargs):
+        if mode != "rb":
+            raise PermissionError(f"{_REFUSED_MARK}: cannot open {path!r} for writing")
+        entry = self.files.get(self._strip_protocol(path))
+        if entry is None:
+            raise FileNotFoundError(path)
+        return self.fs.open(entry["path"], "rb")
+
+    def info(self, path, **kwargs):
+        name = self._strip_protocol(path)
+        if name in self.files:
+            return {"name": name, "size": self.files[name]["bytes"], "type": "file"}
+        if name == "" or any(f.startswith(name + "/") for f in self.files):
+            return {"name": name, "size": 0, "type": "directory"}
+        raise FileNotFoundError(path)
+
+    def ls(self, path, detail=True, **kwargs):
+        name = self._strip_protocol(path)
+        if name in self.files:
+            out = [self.info(name)]
+        else:
+            prefix = f"{name}/" if name else ""
+            heads = {prefix + f[len(prefix):].split("/", 1)[0] for f in self.files if f.startswith(prefix)}
+            if not heads:
+                raise FileNotFoundError(path)
+            out = [self.info(h) for h in sorted(heads)]
+        return out if detail else [o["name"] for o in out]
+
+    def modified(self, path):
+        entry = self.files.get(self._strip_protocol(path))
+        if entry is None:
+            raise FileNotFoundError(path)
+        return datetime.fromisoformat(entry["written_at"])
+
+    def _refuse(self, *args, **kwargs):
+        raise PermissionError(f"{_REFUSED_MARK}: no writes, moves or deletes")
+
+    mkdir = makedirs = rmdir = rm = rm_file = _rm = mv = cp_file = touch = pipe_file = put_file = _refuse
+
+
+def _view_sql(table: str, urls: list[str]) -> str:
+    if not urls:   # no files yet: an empty view that still has the right columns
+        cols = ", ".join(f'CAST(NULL AS {duckdb_type(f.type)}) AS "{f.name}"' for f in SCHEMAS[table])
+        return f"CREATE VIEW {table} AS SELECT {cols} LIMIT 0"
+    quoted = ", ".join("'" + u.replace("'", "''") + "'" for u in urls)
+    # hive_partitioning off: `step=3` directories must not replace the rows' own `step` column.
+    return (f"CREATE VIEW {table} AS SELECT * FROM "
+            f"read_parquet([{quoted}], union_by_name = true, hive_partitioning = false)")
+
+
+def connect(root: str, run_id: str | None = None,
+            storage_options: dict[str, Any] | None = None) -> duckdb.DuckDBPyConnection:
+    """A read-only DuckDB connection with the lake's views (all runs, or one run)."""
+    lake = Lake(root, storage_options)
+    files: dict[str, dict[str, Any]] = {}
+    views: dict[str, list[str]] = {}
+    manifests = lake.manifests(run_id)
+    for table in SCHEMAS:
+        views[table] = []
+        for entry in lake.entries(table, manifests=manifests):
+            name = lake.relpath(entry["path"])
+            files[name] = entry
+            views[table].append(f"{PROTOCOL}://{name}")
+    rofs = _ReadOnlyLakeFS(lake.fs, files)
+    tmp = tempfile.mkdtemp(prefix="gyre-sql-")
+    db = os.path.join(tmp, "views.duckdb")
+    try:
+        build = duckdb.connect(db, config=_START_CONFIG)
+        try:
+            build.register_filesystem(rofs)
+            for table, urls in views.items():
+                build.execute(_view_sql(table, urls))
+            build.execute(TOKENS_VIEW)
+        finally:
+            build.close()
+        con = duckdb.connect(db, read_only=True, config=_START_CONFIG)
+        con.register_filesystem(rofs)
+        for statement in _LOCKDOWN:
+            con.execute(statement)
+    finally:
+        # The read-only connection keeps its open handle; the file itself is not needed again.
+        shutil.rmtree(tmp, ignore_errors=True)
+    return con
+
+
+def _wrap(e: duckdb.Error) -> SqlError:
+    msg = str(e).strip()
+    if _REFUSED_MARK in msg:  # raised by _ReadOnlyLakeFS inside DuckDB: keep the last line, not the traceback
+        msg = next(line for line in reversed(msg.splitlines()) if _REFUSED_MARK in line).strip()
+        return SqlRefused(msg)
+    refused = isinstance(e, duckdb.PermissionException) or any(
+        s in msg for s in ("read-only mode", "configuration has been locked", "disabled by configuration",
+                           "disabled through configuration"))
+    # A refusal is one line (DuckDB appends the query with a caret); other errors keep their hints.
+    return SqlRefused(msg.splitlines()[0].strip()) if refused else SqlError(msg)
+
+
+def run_sql(root: str, query: str, run_id: str | None = None, fmt: str = "table",
+            storage_options: dict[str, Any] | None = None) -> str:
+    """Run one SQL statement on the lake and render its result as "table", "csv" or "json"."""
+    if fmt not in ("table", "csv", "json"):
+        raise ValueError(f"fmt must be 'table', 'csv' or 'json', not {fmt!r}")
+    try:
+        con = connect(root, run_id, storage_options)
+    except duckdb.Error as e:       # e.g. a listed file that is not Parquet
+        raise _wrap(e) from None
+    try:
+        try:
+            n = len(con.extract_statements(query))
+            if n != 1:
+                raise SqlError(f"run_sql runs exactly one statement; got {n}")
+            cur = con.execute(query)
+            if cur.description is None:
+                return ""
+            columns = [d[0] for d in cur.description]
+            rows = cur.fetchall()
+        except duckdb.Error as e:
+            raise _wrap(e) from None
+    finally:
+        con.close()
+    return {"table": _render_table, "csv": _render_csv, "json": _render_json}[fmt](columns, rows)
+
+
+def _render_csv(columns: list[str], rows: list[tuple]) -> str:
+    buf = io.StringIO()
+    w = csv.writer(buf, lineterminator="\n")
+    w.writerow(columns)
+    w.writerows([["" if v is None else v for v in r] for r in rows])
+    return buf.getvalue()
+
+
+def _json_value(v: Any) -> Any:
+    if isinstance(v, float) and not math.isfinite(v):
+        return None
+    if isinstance(v, (list, tuple)):
+        return [_json_value(x) for x in v]
+    if isinstance(v, dict):
+        return {str(k): _json_value(x) for k, x in v.items()}
+    return v
+
+
+def _render_json(columns: list[str], rows: list[tuple]) -> str:
+    records = [{c: _json_value(v) for c, v in zip(columns, r)} for r in rows]
+    return json.dumps(records, default=str)
+
+
+def _cell(v: Any, width: int = 60) -> str:
+    s = "NULL" if v is None else str(v)
+    return s if len(s) <= width else s[: width - 1] + "…"
+
+
+def _render_table(columns: list[str], rows: list[tuple]) -> str:
+    """A plain aligned table (numbers right-aligned, long cells cut at 60 characters)."""
+    cells = [[_cell(v) for v in r] for r in rows]
+    def is_number(v: Any) -> bool:
+        return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+    numeric = [all(is_number(r[i]) for r in rows if r[i] is not None) for i in range(len(columns))]
+    widths = [max([len(c)] + [len(r[i]) for r in cells]) for i, c in enumerate(columns)]
+
+    def line(vals: list[str]) -> str:
+        padded = (v.rjust(w) if num else v.ljust(w) for v, w, num in zip(vals, widths, numeric))
+        return "  ".join(padded).rstrip()
+
+    out = [line(columns), "  ".join("-" * w for w in widths)]
+    out += [line(r) for r in cells]
+    out.append(f"({len(rows)} row{'s' if len(rows) != 1 else ''})")
+    return "\n".join(out) + "\n"

@@ -1,0 +1,122 @@
+"""The end of a run: the summary (JSON + a terminal table), the reward-curve PNG, MLflow artifacts."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from .evaluation import paired
+from .run import RunDir
+
+
+def summarize(run_dir: str) -> dict:
+    """Collect the run's figures from its markers; write summary.json and the reward curve; log both."""
+    from .evaluation import EvalResult
+    from .steps import latest_version, tracker
+
+    run = RunDir.open(run_dir)
+    before, after = run.done("eval_before") or {}, run.done("eval_after") or {}
+    steps = latest_version(run)
+    per_step = [run.done(f"publish_{v:04d}")["metrics"] for v in range(1, steps + 1)]
+    ws = run.done("warm_start") or {}
+
+    def ev(d: dict, mode: str) -> dict:
+        r = d.get(mode) or {}
+        return {"success": r.get("success"), "partial": r.get("partial"), "episodes": r.get("episodes")}
+
+    summary: dict = {
+        "run_id": run.run_id, "preset": run.cfg.preset, "rl_steps": steps,
+        "eval_before": ev(before, "sampled"), "eval_after": ev(after, "sampled"),
+        "eval_before_greedy": ev(before, "greedy"), "eval_after_greedy": ev(after, "greedy"),
+        "eval_random": ev(before, "random"),
+        "eval_episodes": (before.get("sampled") or {}).get("episodes", 0),
+        "eval_paired": bool(before.get("sampled") and after.get("sampled")
+                            and before["sampled"]["seeds"] == after["sampled"]["seeds"]),
+    }
+    if summary["eval_paired"]:
+        d = paired(EvalResult(**before["sampled"]), EvalResult(**after["sampled"]))
+        summary.update(diff=d.mean, ci95_low=d.ci95_low, ci95_high=d.ci95_high)
+    rollouts = [run.done(f"rollout_{s:04d}") or {} for s in range(steps)]
+    summary["executions"] = sum(r.get("executions", 0) for r in rollouts) + ws.get("demos", 0) + sum(
+        (x.get(m) or {}).get("episodes", 0) for x in (before, after) for m in ("sampled", "greedy", "random"))
+    summary["tokens_generated"] = int(sum(r.get("tokens_generated", 0) for r in rollouts))
+    summary["tokens_trained"] = int(sum(m.get("tokens/trained", 0) for m in per_step))
+    phases = {
+        "warm_start": ws.get("wall_s", 0.0),
+        "eval": before.get("wall_s", 0.0) + after.get("wall_s", 0.0),
+        "rollout": sum(m.get("time/rollout_s", 0.0) for m in per_step),
+        "score": sum(m.get("time/score_s", 0.0) for m in per_step),
+        "process": sum(m.get("time/process_s", 0.0) for m in per_step),
+        "train": sum(m.get("time/train_s", 0.0) for m in per_step),
+        "publish": sum(m.get("time/publish_s", 0.0) for m in per_step),
+    }
+    summary["phase_s"] = phases
+    summary["wall_s"] = sum(phases.values())
+    summary["logprob_mismatch_max"] = max((abs(m.get("train/logprob_mismatch", 0.0)) for m in per_step), default=0.0)
+    t = tracker(run)
+    summary["paths"] = {"run_dir": str(run.path), "lake": run.cfg.lake.root, "checkpoints": str(run.ckpt),
+                        "mlflow_uri": run.cfg.tracking.uri, "mlflow_run_id": t.run_id}
+    out = run.path / "summary.json"
+    out.write_text(json.dumps(summary, indent=1))
+    png = reward_curve(per_step, before, after, run.path / "reward_curve.png")
+    for path in (run.path / "config.yaml", out, png):
+        t.log_artifact(path)
+    final = {f"eval/{k}_success": v["success"] for k, v in (("before", summary["eval_before"]),
+                                                             ("after", summary["eval_after"])) if v["success"] is not None}
+    t.log_metrics(final, steps)
+    return summary
+
+
+def reward_curve(per_step: list[dict], before: dict, after: dict, path: Path) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 3.5), dpi=110)
+    xs = list(range(len(per_step)))
+    if per_step:
+        ax.plot(xs, [m["reward/mean"] for m in per_step], marker=".", label="reward (mean)")
+        ax.plot(xs, [m["rollout/success"] for m in per_step], marker=".", label="rollout success")
+    for d, x, name in ((before, -0.5, "eval before"), (after, max(len(per_step) - 0.5, 0.5), "eval after")):
+        if d.get("sampled"):
+            ax.scatter([x], [d["sampled"]["success"]], marker="s", s=40, label=f"{name} (held-out)")
+    ax.set_xlabel("RL step")
+    ax.set_ylim(-0.02, 1.02)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7, loc="lower right")
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return path
+
+
+def render_summary(s: dict) -> None:
+    """The table `gyre train` ends with."""
+    from rich.console import Console
+    from rich.table import Table
+
+    def pct(x):
+        return "—" if x is None else f"{100 * x:.1f}%"
+
+    t = Table(title=f"gyre run {s['run_id']} ({s['preset']})", show_header=True)
+    t.add_column("figure")
+    t.add_column("before RL", justify="right")
+    t.add_column("after RL", justify="right")
+    t.add_row("held-out success (sampled)", pct(s["eval_before"]["success"]), pct(s["eval_after"]["success"]))
+    t.add_row("held-out success (greedy)", pct(s["eval_before_greedy"]["success"]), pct(s["eval_after_greedy"]["success"]))
+    t.add_row("mean partial score (sampled)", f"{s['eval_before']['partial'] or 0:.3f}", f"{s['eval_after']['partial'] or 0:.3f}")
+    if "ci95_low" in s:
+        t.add_row("paired difference, 95% CI", "", f"{100 * s['diff']:+.1f} [{100 * s['ci95_low']:+.1f}, {100 * s['ci95_high']:+.1f}]")
+    t.add_row("uniform-random policy", pct(s["eval_random"]["success"]), "")
+    t.add_row("held-out episodes (paired)", str(s["eval_episodes"]), "yes" if s["eval_paired"] else "no")
+    t.add_row("RL steps / executions run", "", f"{s['rl_steps']} / {s['executions']}")
+    t.add_row("tokens generated / trained", "", f"{s['tokens_generated']:,} / {s['tokens_trained']:,}")
+    for k, v in s["phase_s"].items():
+        t.add_row(f"time: {k}", "", f"{v:.1f} s")
+    t.add_row("time: total", "", f"{s['wall_s']:.1f} s")
+    c = Console()
+    c.print(t)
+    p = s["paths"]
+    c.print(f"lake: {p['lake']}   (gyre sql \"SELECT * FROM executions LIMIT 5\" --run {s['run_id']})")
+    c.print(f"checkpoints: {p['checkpoints']}")
+    c.print(f"MLflow run {p['mlflow_run_id']} at {p['mlflow_uri']}   (mlflow ui --backend-store-uri {p['mlflow_uri']})")

@@ -1,0 +1,465 @@
+"""Every step of the RL loop, as plain functions over a run directory (the flow composes them).
+
+    run = prepare(cfg)                       # model + tokenizer, checked before any rollout
+    warm_start(run); evaluate(run, "before")
+    for step in range(cfg.rl.steps):
+        rollout(run, step); score(run, step); process(run, step); train(run, step); publish(run, step)
+    evaluate(run, "after"); summary = summarize(run)
+
+Steps take and return paths or small JSON-able dicts, never tensors, and are idempotent: each checks
+its completion marker and returns what it produced before (see `gyre_core.run`).
+"""
+from __future__ import annotations
+
+import random
+import time
+from pathlib import Path
+
+import pyarrow as pa
+
+from .config import ConfigError, GyreConfig
+from .run import RunDir
+from .ui import phase
+
+# ----------------------------------------------------------------------------------------------
+# shared objects (cached per process)
+
+
+def _env_factory(run: RunDir):
+    from .envs import load_env
+
+    cfg = run.cfg.env
+    return lambda: load_env(cfg.target, **cfg.kwargs)
+
+
+def _policy_dir(run: RunDir) -> Path:
+    return run.warm if run.done("warm_start") else run.policy0
+
+
+def _policy(run: RunDir):
+    """(engine, tokenizer, chat format, stop-token texts), loaded once per process."""
+    from .engine import LocalEngine
+    from .harness.conversation import ChatFormat
+    from .model import load_policy, stop_token_ids
+
+    def make():
+        model, tok = load_policy(str(run.policy0))
+        stops = stop_token_ids(model, tok)
+        engine = LocalEngine(model, stops, version=-1, seed=run.cfg.run.seed)
+        return engine, tok, ChatFormat(tok), {i: tok.decode([i]) for i in stops}
+
+    return run.cached("policy", make)
+
+
+def _tokenizer(run: RunDir):
+    return _policy(run)[1]
+
+
+def _stop_id(run: RunDir) -> int:
+    """The stop token scripted policies end their answers with (the tokenizer's eos)."""
+    tok, stops = _policy(run)[1], _policy(run)[3]
+    return tok.eos_token_id if tok.eos_token_id in stops else min(stops)
+
+
+def _engine_at(run: RunDir, version: int):
+    from .trainer.publish import load_weights
+
+    eng = _policy(run)[0]
+    if eng.version != version:
+        eng.set_weights(load_weights(run.weights_uri(version)), version)
+    return eng
+
+
+def _lake(run: RunDir):
+    from .lake import Lake
+
+    return run.cached("lake", lambda: Lake(run.cfg.lake.root))
+
+
+def _run_policy(run: RunDir, specs, policy, on_finish=None):
+    from .harness.loop import run_executions
+
+    _, _, fmt, stop_texts = _policy(run)
+    return run_executions(specs, policy, run.cfg.harness, _env_factory(run), fmt, stop_texts,
+                          run.cfg.rollout.concurrency, on_finish)
+
+
+def _write_records(run: RunDir, part: str, records) -> None:
+    from .lake.schema import calls_table, executions_table
+
+    _lake(run).write_part(run.run_id, part, {"executions": executions_table(records),
+                                             "calls": calls_table(records)})
+
+
+def _read_records(run: RunDir, part: str):
+    from .lake.schema import read_executions
+
+    lake = _lake(run)
+    return read_executions(lake.read("executions", run.run_id, part), lake.read("calls", run.run_id, part))
+
+
+# ----------------------------------------------------------------------------------------------
+# prepare: the model and tokenizer, checked before anything runs
+
+
+def prepare(cfg: GyreConfig) -> str:
+    """Create the run directory and its initial policy. Bad model paths fail here, before any rollout."""
+    from .lake import Lake
+    from .model import PolicyLoadError, build_tiny_model, load_policy, save_policy, train_tokenizer
+
+    Lake(cfg.lake.root).check_writable()
+    run = RunDir.create(cfg)
+    if run.done("prepare"):
+        load_policy(str(run.policy0))   # a corrupt directory is still caught before rollouts
+        return str(run.path)
+    if cfg.model.path:
+        try:
+            model, tok = load_policy(cfg.model.path)
+        except PolicyLoadError as exc:
+            raise ConfigError(f"model.path: {exc}") from None
+    else:
+        env = _env_factory(run)()
+        from .envs import supports
+
+        texts = list(env.corpus(cfg.model.tokenizer_corpus_episodes, cfg.run.seed)) if supports(env, "corpus") else []
+        texts.append(env.instructions())
+        tok = train_tokenizer(texts, cfg.model.vocab_size)
+        m = cfg.model
+        model = build_tiny_model(tok, hidden_size=m.hidden_size, num_layers=m.num_layers, num_heads=m.num_heads,
+                                 num_kv_heads=m.num_kv_heads, ffn_size=m.ffn_size, max_positions=m.max_positions,
+                                 seed=cfg.run.seed)
+    save_policy(model, tok, str(run.policy0))
+    run.mark("prepare", {"params": sum(p.numel() for p in model.parameters()), "vocab": len(tok)})
+    return str(run.path)
+
+
+# ----------------------------------------------------------------------------------------------
+# warm start: supervised training on the environment expert's demonstrations
+
+
+def warm_start(run_dir: str) -> str:
+    run = RunDir.open(run_dir)
+    if (m := run.done("warm_start")) is not None:
+        return m["path"]
+    from .harness.loop import ExecutionSpec
+    from .harness.policies import ExpertPolicy
+    from .model import load_policy, save_policy
+    from .processor.batch import build_batch, micro_batches
+    from .trainer.engine import Trainer
+    from .trainer.publish import publish_weights
+
+    cfg, t0 = run.cfg, time.time()
+    ws = cfg.warmstart
+    seeds = [cfg.env.train_seed_start + 500_000_000 + i for i in range(ws.episodes)]  # apart from RL seeds
+    specs = [ExecutionSpec(run.run_id, -1, f"{run.run_id}/demo/{i}", f"seed{s}", s, "demo")
+             for i, s in enumerate(seeds)]
+    with phase("warm start: demonstrations", len(specs)) as tick:
+        records = _run_policy(run, specs, ExpertPolicy(_tokenizer(run), _stop_id(run)), lambda r: tick())
+    _write_records(run, "demos", records)
+    good = [r for r in records if r.success]
+    batch = build_batch(good, {r.execution_id: 1.0 for r in good})
+    model, tok = load_policy(str(run.policy0))
+    trainer = Trainer(model, lr=ws.lr, zero_stage=cfg.trainer.zero_stage, grad_clip=cfg.rl.grad_clip,
+                      pad_id=tok.pad_token_id or 0)
+    for s in batch.sequences:   # supervised: a plain per-token mean over each sampled batch
+        s.weights = [1.0 if w else 0.0 for w in s.weights]
+    rng = random.Random(cfg.run.seed)
+    losses = []
+    with phase("warm start: supervised steps", ws.steps) as tick:
+        for _ in range(ws.steps):
+            chunk = rng.sample(batch.sequences, min(ws.batch_size, len(batch.sequences)))
+            n_tok = sum(s.n_trainable for s in chunk)
+            parts = micro_batches(chunk, cfg.rl.micro_batch_tokens)
+            loss = sum(trainer.micro_step(p, float(n_tok), objective="nll", last=k == len(parts) - 1)["loss"]
+                       for k, p in enumerate(parts))
+            trainer.optimizer_step()
+            losses.append(loss)
+            tick(loss=loss)
+    save_policy(trainer.model, tok, str(run.warm))
+    uri = publish_weights(trainer.state_dict(), run.weights_uri(0))
+    return run.mark("warm_start", {"path": str(run.warm), "weights": uri, "demos": len(records),
+                                   "demo_success": len(good) / max(len(records), 1),
+                                   "sequences": len(batch.sequences), "loss_first": losses[0] if losses else None,
+                                   "loss_last": losses[-1] if losses else None, "wall_s": time.time() - t0})["path"]
+
+
+# ----------------------------------------------------------------------------------------------
+# evaluation on held-out seeds (same seeds before and after: paired)
+
+
+def evaluate(run_dir: str, label: str, version: int | None = None) -> dict:
+    """Sampled policy (and greedy, random beside it) on the held-out seeds; recomputed if the version moved."""
+    run = RunDir.open(run_dir)
+    if version is None:   # "before" is the warm-started policy (v0); anything else the newest
+        version = 0 if label == "before" else latest_version(run)
+    if (m := run.done(f"eval_{label}")) is not None and m["version"] == version:
+        return m
+    from .evaluation import summarize
+    from .harness.loop import ExecutionSpec
+    from .harness.policies import EnginePolicy, RandomPolicy
+
+    cfg, t0 = run.cfg, time.time()
+    all_seeds = [cfg.env.eval_seed_start + i for i in range(cfg.eval.episodes)]
+    modes = [("sampled", cfg.rollout.temperature, cfg.eval.episodes)]
+    if cfg.eval.greedy_episodes:
+        modes.append(("greedy", 0.0, min(cfg.eval.greedy_episodes, cfg.eval.episodes)))
+    if cfg.eval.random_baseline and label == "before":
+        modes.append(("random", None, cfg.eval.episodes))
+    out: dict = {"label": label, "version": version}
+    all_records = []
+    for mode, temp, n in modes:
+        seeds = all_seeds[:n]
+        specs = [ExecutionSpec(run.run_id, -2, f"{run.run_id}/eval-{label}-{mode}/{i}", f"seed{s}", s,
+                               f"eval-{mode}", version) for i, s in enumerate(seeds)]
+        if mode == "random":
+            policy = RandomPolicy(_tokenizer(run), _stop_id(run), cfg.run.seed)
+        else:
+            eng = _engine_at(run, version)
+            eng.reseed(cfg.run.seed * 1_000_003 + 7)   # same sampling stream before and after
+            policy = EnginePolicy(eng, temp)
+        with phase(f"evaluate {label}: {mode}", len(specs)) as tick:
+            recs = _run_policy(run, specs, policy, lambda r: tick())
+        all_records += recs
+        res = summarize(label, mode, seeds, [r.success for r in recs], [r.partial for r in recs],
+                        [r.turns for r in recs])
+        out[mode] = res.to_dict()
+    _write_records(run, f"eval-{label}", all_records)
+    out["wall_s"] = time.time() - t0
+    return run.mark(f"eval_{label}", out)
+
+
+def latest_version(run: RunDir) -> int:
+    """Newest published policy version: 0 is the warm start, v is the result of RL step v−1."""
+    v = 0
+    while run.done(f"publish_{v + 1:04d}") is not None:
+        v += 1
+    return v
+
+
+# ----------------------------------------------------------------------------------------------
+# one RL step
+
+
+def rollout(run_dir: str, step: int) -> str:
+    """B tasks × G executions with the current policy version; records land in the lake."""
+    run = RunDir.open(run_dir)
+    part = f"step={step}"
+    if (m := run.done(f"rollout_{step:04d}")) is not None:
+        return m["part"]
+    from .harness.loop import ExecutionSpec
+    from .harness.policies import EnginePolicy
+
+    cfg, t0 = run.cfg, time.time()
+    ro = cfg.rollout
+    eng = _engine_at(run, step)      # version n rolls out step n (on-policy)
+    eng.reseed(cfg.run.seed * 1_000_003 + step)
+    specs = []
+    for b in range(ro.tasks_per_step):
+        seed = cfg.env.train_seed_start + step * ro.tasks_per_step + b
+        for g in range(ro.group_size):
+            specs.append(ExecutionSpec(run.run_id, step, f"{run.run_id}/s{step}/t{b}/g{g}", f"seed{seed}", seed,
+                                       "train", step))
+    with phase(f"step {step}: rollout", len(specs)) as tick:
+        records = _run_policy(run, specs, EnginePolicy(eng, ro.temperature), lambda r: tick())
+    from .processor.batch import reward_of
+
+    for r in records:
+        r.reward = reward_of(r.success, r.partial, cfg.rl.partial_reward) if r.status != "failed" else 0.0
+    _write_records(run, part, records)
+    n = len(records)
+    stats = {
+        "part": part, "executions": n, "failed": sum(r.status == "failed" for r in records),
+        "success": sum(r.success for r in records) / n, "partial": sum(r.partial for r in records) / n,
+        "turns": sum(r.turns for r in records) / n, "compactions": sum(r.compactions for r in records),
+        "invalid_actions": sum(r.invalid_actions for r in records),
+        "tokens_generated": sum(r.tokens_generated for r in records), "rollout_s": time.time() - t0,
+    }
+    return run.mark(f"rollout_{step:04d}", stats)["part"]
+
+
+def score(run_dir: str, step: int) -> dict:
+    """Rewards from the partial scores the executions left behind; group-relative advantages."""
+    run = RunDir.open(run_dir)
+    if (m := run.done(f"score_{step:04d}")) is not None:
+        return m
+    from .processor.batch import group_advantages, reward_of
+
+    t0 = time.time()
+    ex = _lake(run).read("executions", run.run_id, f"step={step}").to_pylist()
+    ok = [e for e in ex if e["status"] != "failed"]
+    rewards = {e["execution_id"]: reward_of(e["success"], e["partial"], run.cfg.rl.partial_reward) for e in ok}
+    groups: dict[str, list[str]] = {}
+    for e in ok:
+        groups.setdefault(e["task_id"], []).append(e["execution_id"])
+    adv = group_advantages(rewards, groups, run.cfg.rl.advantage_norm)
+    from .lake.schema import SCORES
+
+    table = pa.Table.from_pylist([{
+        "run_id": run.run_id, "step": step, "execution_id": e["execution_id"], "task_id": e["task_id"],
+        "reward": rewards.get(e["execution_id"]), "advantage": adv.get(e["execution_id"]),
+        "excluded": e["execution_id"] not in adv,
+        "reason": "" if e["execution_id"] in adv else (e["error"] or e["status"])} for e in ex], schema=SCORES)
+    _lake(run).write_part(run.run_id, f"score={step}", {"scores": table})
+    rs = list(rewards.values()) or [0.0]
+    mean = sum(rs) / len(rs)
+    std = (sum((r - mean) ** 2 for r in rs) / len(rs)) ** 0.5
+    return run.mark(f"score_{step:04d}", {"reward_mean": mean, "reward_std": std, "excluded": len(ex) - len(ok),
+                                          "score_s": time.time() - t0})
+
+
+def process(run_dir: str, step: int) -> str:
+    """Training sequences with per-token advantages and two-level weights, saved for the trainer."""
+    run = RunDir.open(run_dir)
+    if (m := run.done(f"process_{step:04d}")) is not None:
+        return m["batch"]
+    import torch
+
+    from .processor.batch import build_batch
+
+    t0 = time.time()
+    records = _read_records(run, f"step={step}")
+    sc = _lake(run).read("scores", run.run_id, f"score={step}").to_pylist()
+    adv = {s["execution_id"]: s["advantage"] for s in sc if not s["excluded"]}
+    batch = build_batch(records, adv)
+    from .lake.schema import train_tokens_table
+
+    table = train_tokens_table({
+        "run_id": run.run_id, "step": step, "execution_id": s.execution_id, "call_index": s.call_index,
+        "advantage": next((a for a, w in zip(s.advantages, s.weights) if w), 0.0),
+        "n_tokens": len(s.input_ids), "n_trainable": s.n_trainable, "weight": sum(s.weights)}
+        for s in batch.sequences)
+    _lake(run).write_part(run.run_id, f"process={step}", {"train_tokens": table})
+    path = run.batch_path(step)
+    tmp = path.with_suffix(".tmp")
+    torch.save(batch, tmp)
+    tmp.replace(path)
+    return run.mark(f"process_{step:04d}", {
+        "batch": str(path), "sequences": len(batch.sequences), "executions": batch.n_executions,
+        "excluded": len(batch.excluded), "tokens_trained": sum(s.n_trainable for s in batch.sequences),
+        "tokens_total": sum(len(s.input_ids) for s in batch.sequences), "process_s": time.time() - t0})["batch"]
+
+
+def _trainer(run: RunDir, version: int):
+    """The RL trainer holding policy `version`, resumed from its checkpoint when not in memory."""
+    from .model import load_policy
+    from .trainer.engine import Trainer
+
+    held = run.cached("trainer", lambda: None)
+    if held is not None and held[1] == version:
+        return held[0]
+    cfg = run.cfg
+    model, tok = load_policy(str(run.warm))
+    trainer = Trainer(model, lr=cfg.rl.lr, zero_stage=cfg.trainer.zero_stage, grad_clip=cfg.rl.grad_clip,
+                      pad_id=tok.pad_token_id or 0)
+    if version > 0:
+        state = trainer.load(str(run.ckpt), f"v{version}")
+        _restore_rng(state.get("rng"))
+    run.drop_cached("trainer")
+    run.cached("trainer", lambda: (trainer, version))
+    return trainer
+
+
+def train(run_dir: str, step: int) -> str:
+    """One policy update from version `step` to `step + 1`; saves a full checkpoint."""
+    run = RunDir.open(run_dir)
+    if (m := run.done(f"train_{step:04d}")) is not None:
+        return m["checkpoint"]
+    import torch
+
+    from .processor.batch import micro_batches
+
+    cfg, t0 = run.cfg, time.time()
+    rl = cfg.rl
+    batch = torch.load(process(run_dir, step), weights_only=False)
+    trainer = _trainer(run, step)
+    totals: dict[str, float] = {}
+    first_epoch: dict[str, float] = {}
+    seqs = batch.sequences
+    chunks = micro_batches(seqs, rl.micro_batch_tokens)
+    grad_norm = 0.0
+    with phase(f"step {step}: train", rl.epochs * len(chunks)) as tick:
+        for epoch in range(rl.epochs):
+            for k, chunk in enumerate(chunks):
+                st = trainer.micro_step(chunk, batch.normaliser, objective="ppo", temperature=cfg.rollout.temperature,
+                                        clip_low=rl.clip_low, clip_high=rl.clip_high, last=k == len(chunks) - 1)
+                for key, v in st.items():
+                    totals[key] = totals.get(key, 0.0) + v
+                    if epoch == 0:
+                        first_epoch[key] = first_epoch.get(key, 0.0) + v
+                tick()
+            if chunks:
+                grad_norm = trainer.optimizer_step()
+    n = max(totals.get("tokens", 0.0), 1.0)
+    n0 = max(first_epoch.get("tokens", 0.0), 1.0)
+    tag = f"v{step + 1}"
+    trainer.save(str(run.ckpt), tag, {"version": step + 1, "step": step, "rng": _rng_state()})
+    run.drop_cached("trainer")
+    run.cached("trainer", lambda: (trainer, step + 1))
+    return run.mark(f"train_{step:04d}", {
+        "checkpoint": str(run.ckpt / tag), "loss": totals.get("loss", 0.0),
+        "clip_frac": totals.get("clip_frac", 0.0) / n, "kl": totals.get("approx_kl", 0.0) / n,
+        "entropy": totals.get("entropy", 0.0) / n,
+        "logprob_mismatch": first_epoch.get("logprob_mismatch", 0.0) / n0,
+        "tokens_trained": first_epoch.get("tokens", 0.0), "grad_norm": grad_norm,
+        "staleness": 0, "train_s": time.time() - t0})["checkpoint"]
+
+
+def publish(run_dir: str, step: int) -> str:
+    """Write policy version step+1 as safetensors (fsspec) and log the step's metrics to MLflow."""
+    run = RunDir.open(run_dir)
+    if (m := run.done(f"publish_{step + 1:04d}")) is not None:
+        return m["uri"]
+    from .trainer.publish import publish_weights
+
+    t0 = time.time()
+    train(run_dir, step)
+    trainer = _trainer(run, step + 1)
+    uri = publish_weights(trainer.state_dict(), run.weights_uri(step + 1))
+    metrics = step_metrics(run, step)
+    metrics["time/publish_s"] = time.time() - t0
+    tracker(run).log_metrics(metrics, step)
+    return run.mark(f"publish_{step + 1:04d}", {"uri": uri, "metrics": metrics})["uri"]
+
+
+def step_metrics(run: RunDir, step: int) -> dict[str, float]:
+    s = f"{step:04d}"
+    ro, sc, pr, tr = (run.done(f"{k}_{s}") or {} for k in ("rollout", "score", "process", "train"))
+    return {
+        "reward/mean": sc.get("reward_mean", 0.0), "reward/std": sc.get("reward_std", 0.0),
+        "rollout/success": ro.get("success", 0.0), "rollout/partial": ro.get("partial", 0.0),
+        "rollout/turns": ro.get("turns", 0.0), "rollout/failed": ro.get("failed", 0),
+        "rollout/compactions": ro.get("compactions", 0), "rollout/invalid_actions": ro.get("invalid_actions", 0),
+        "tokens/generated": ro.get("tokens_generated", 0), "tokens/trained": pr.get("tokens_trained", 0),
+        "train/loss": tr.get("loss", 0.0), "train/kl": tr.get("kl", 0.0), "train/clip_frac": tr.get("clip_frac", 0.0),
+        "train/entropy": tr.get("entropy", 0.0), "train/logprob_mismatch": tr.get("logprob_mismatch", 0.0),
+        "train/grad_norm": tr.get("grad_norm", 0.0), "train/staleness": tr.get("staleness", 0),
+        "time/rollout_s": ro.get("rollout_s", 0.0), "time/score_s": sc.get("score_s", 0.0),
+        "time/process_s": pr.get("process_s", 0.0), "time/train_s": tr.get("train_s", 0.0),
+    }
+
+
+def tracker(run: RunDir):
+    from .tracking import Tracker, flatten
+
+    def make():
+        t = Tracker(run.cfg.tracking.uri, run.cfg.tracking.experiment, run.path, run.run_id)
+        t.log_params(flatten(run.cfg.model_dump(mode="json")))
+        t.set_tags({"gyre.run_dir": str(run.path), "gyre.lake_root": run.cfg.lake.root,
+                    "gyre.preset": run.cfg.preset})
+        return t
+
+    return run.cached("tracker", make)
+
+
+def _rng_state() -> dict:
+    import torch
+
+    return {"python": random.getstate(), "torch": torch.get_rng_state()}
+
+
+def _restore_rng(state: dict | None) -> None:
+    import torch
+
+    if state:
+        random.setstate(state["python"])
+        torch.set_rng_state(state["torch"])

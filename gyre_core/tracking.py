@@ -1,0 +1,86 @@
+"""MLflow tracking: one MLflow run per Gyre run, resumed by id, with no duplicate points on resume.
+
+The MLflow run id is kept in the run directory; a resumed run reopens it. Before logging a step's
+metrics we ask MLflow which steps it already holds, so a step logged just before a crash is not
+logged twice.
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+
+def _mlflow(uri: str):
+    os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
+    import mlflow
+
+    if uri.startswith("sqlite:///"):
+        Path(uri[len("sqlite:///"):]).parent.mkdir(parents=True, exist_ok=True)
+    mlflow.set_tracking_uri(uri)
+    return mlflow
+
+
+class Tracker:
+    def __init__(self, uri: str, experiment: str, run_dir: Path, run_name: str):
+        self.mlflow = _mlflow(uri)
+        from mlflow.tracking import MlflowClient
+
+        self.uri = uri
+        self.client = MlflowClient(tracking_uri=uri)
+        id_file = run_dir / "mlflow_run_id"
+        if id_file.exists():
+            self.run_id = id_file.read_text().strip()
+        else:
+            exp = self.client.get_experiment_by_name(experiment)
+            exp_id = exp.experiment_id if exp else self.client.create_experiment(
+                experiment, artifact_location=(run_dir.parent.parent / "mlflow" / "artifacts").resolve().as_uri())
+            self.run_id = self.client.create_run(exp_id, run_name=run_name).info.run_id
+            id_file.write_text(self.run_id)
+
+    def log_params(self, params: dict) -> None:
+        have = self.client.get_run(self.run_id).data.params
+        todo = {k: str(v)[:6000] for k, v in params.items() if k not in have}
+        from mlflow.entities import Param
+
+        items = [Param(k, v) for k, v in todo.items()]
+        for i in range(0, len(items), 100):
+            self.client.log_batch(self.run_id, params=items[i:i + 100])
+
+    def logged_steps(self, key: str) -> set[int]:
+        return {m.step for m in self.client.get_metric_history(self.run_id, key)}
+
+    def log_metrics(self, metrics: dict[str, float], step: int) -> None:
+        """Log one step's metrics unless MLflow already has that step (resume safety)."""
+        import time
+
+        from mlflow.entities import Metric
+
+        if not metrics:
+            return
+        probe = sorted(metrics)[0]
+        if step in self.logged_steps(probe):
+            return
+        now = int(time.time() * 1000)
+        items = [Metric(k, float(v), now, step) for k, v in metrics.items()]
+        self.client.log_batch(self.run_id, metrics=items)
+
+    def log_artifact(self, path: Path, subdir: str | None = None) -> None:
+        self.client.log_artifact(self.run_id, str(path), subdir)
+
+    def set_tags(self, tags: dict[str, str]) -> None:
+        for k, v in tags.items():
+            self.client.set_tag(self.run_id, k, v)
+
+    def finish(self, status: str = "FINISHED") -> None:
+        self.client.set_terminated(self.run_id, status=status)
+
+
+def flatten(d: dict, prefix: str = "") -> dict:
+    out = {}
+    for k, v in d.items():
+        key = f"{prefix}{k}"
+        if isinstance(v, dict) and v:
+            out.update(flatten(v, key + "."))
+        else:
+            out[key] = v
+    return out

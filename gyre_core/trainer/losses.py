@@ -1,0 +1,74 @@
+"""Token log-probs and the policy losses. Pure torch; no engine, no DeepSpeed.
+
+Every loss is a weighted sum over tokens divided by a normaliser fixed when the step's batch closed,
+so splitting a batch into micro-steps (or packing it differently) leaves the gradient unchanged.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(slots=True)
+class Collated:
+    input_ids: torch.Tensor      # [B, T]
+    attention_mask: torch.Tensor  # [B, T]
+    row: torch.Tensor            # [N] scored tokens: batch row
+    src: torch.Tensor            # [N] position whose logits score it
+    tgt: torch.Tensor            # [N] the token id
+    old_logprobs: torch.Tensor   # [N]
+    advantages: torch.Tensor     # [N]
+    weights: torch.Tensor        # [N]
+
+
+def collate(seqs, pad_id: int) -> Collated:
+    """Right-pad sequences and list every token that carries weight with where it is scored from."""
+    T = max(len(s.input_ids) for s in seqs)
+    ids = torch.full((len(seqs), T), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(seqs), T), dtype=torch.long)
+    row, src, tgt, old, adv, w = [], [], [], [], [], []
+    for b, s in enumerate(seqs):
+        n = len(s.input_ids)
+        ids[b, :n] = torch.tensor(s.input_ids)
+        mask[b, :n] = 1
+        for j in range(n):
+            if s.weights[j] != 0.0 and s.score_from[j] >= 0:
+                row.append(b); src.append(s.score_from[j]); tgt.append(s.input_ids[j])
+                old.append(s.old_logprobs[j]); adv.append(s.advantages[j]); w.append(s.weights[j])
+    f64 = torch.float64
+    return Collated(ids, mask, torch.tensor(row, dtype=torch.long), torch.tensor(src, dtype=torch.long),
+                    torch.tensor(tgt, dtype=torch.long), torch.tensor(old, dtype=f64),
+                    torch.tensor(adv, dtype=f64), torch.tensor(w, dtype=f64))
+
+
+def token_logprobs(logits: torch.Tensor, c: Collated, temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Log-prob of each scored token under softmax(logits/T) at its scoring position, and the entropy there."""
+    picked = logits[c.row, c.src].float() / temperature          # [N, V]
+    logp_all = torch.log_softmax(picked, dim=-1)
+    logp = logp_all.gather(-1, c.tgt[:, None]).squeeze(-1)
+    entropy = -(logp_all.exp() * logp_all).sum(-1)
+    return logp, entropy
+
+
+def ppo_clip_loss(logp: torch.Tensor, c: Collated, clip_low: float, clip_high: float, normaliser: float):
+    """−Σ_t w_t · min(r_t A_t, clip(r_t, 1−ε_l, 1+ε_h) A_t) / normaliser, with r_t = exp(logp − μ)."""
+    logp = logp.to(c.weights.dtype)
+    ratio = torch.exp(logp - c.old_logprobs)
+    surr = torch.minimum(ratio * c.advantages, ratio.clamp(1 - clip_low, 1 + clip_high) * c.advantages)
+    loss = -(c.weights * surr).sum() / normaliser
+    with torch.no_grad():
+        clipped = ((ratio < 1 - clip_low) & (c.advantages < 0)) | ((ratio > 1 + clip_high) & (c.advantages > 0))
+        log_r = logp - c.old_logprobs
+        stats = {
+            "clip_frac": clipped.double().sum().item(),
+            "approx_kl": ((ratio - 1) - log_r).sum().item(),   # k3 estimator of KL(μ‖π), summed
+            "logprob_mismatch": log_r.abs().sum().item(),
+        }
+    return loss, stats
+
+
+def nll_loss(logp: torch.Tensor, c: Collated, normaliser: float):
+    """Supervised warm start: −Σ_t w_t log π(t) / normaliser."""
+    loss = -(c.weights * logp.to(c.weights.dtype)).sum() / normaliser
+    return loss, {}

@@ -1,0 +1,26 @@
+"""Progress bars for long phases. One bar per phase, on stderr, quiet when GYRE_QUIET=1."""
+from __future__ import annotations
+
+import os
+from contextlib import contextmanager
+
+
+@contextmanager
+def phase(description: str, total: int):
+    """`with phase("rollout", n) as tick: ... tick()` — advances a bar; tick(loss=0.3) shows a figure."""
+    if os.environ.get("GYRE_QUIET") == "1" or total <= 0:
+        yield lambda **kw: None
+        return
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    cols = (TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+            TextColumn("{task.fields[info]}"))
+    with Progress(*cols, console=Console(stderr=True), transient=False) as bar:
+        task = bar.add_task(description, total=total, info="")
+
+        def tick(**figures):
+            info = "  ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in figures.items())
+            bar.update(task, advance=1, **({"info": info} if figures else {}))
+
+        yield tick

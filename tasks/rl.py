@@ -1,0 +1,55 @@
+"""Thin Prefect tasks over `gyre_core.steps`. They pass run-directory paths, never tensors.
+
+Retries are safe: every step is idempotent through its completion marker in the run directory.
+"""
+from __future__ import annotations
+
+from prefect import task
+
+from gyre_core import report, steps
+from gyre_core.config import load_config
+
+
+@task(name="prepare", retries=0)
+def prepare(preset: str, overrides: list[str]) -> str:
+    return steps.prepare(load_config(preset, overrides))
+
+
+@task(name="warm-start", retries=1)
+def warm_start(run_dir: str) -> str:
+    return steps.warm_start(run_dir)
+
+
+@task(name="evaluate", task_run_name="evaluate-{label}", retries=1)
+def evaluate(run_dir: str, label: str) -> dict:
+    return steps.evaluate(run_dir, label)
+
+
+@task(name="rollout", task_run_name="rollout-{step}", retries=1)
+def rollout(run_dir: str, step: int) -> str:
+    return steps.rollout(run_dir, step)
+
+
+@task(name="score", task_run_name="score-{step}", retries=1)
+def score(run_dir: str, step: int) -> dict:
+    return steps.score(run_dir, step)
+
+
+@task(name="process", task_run_name="process-{step}", retries=1)
+def process(run_dir: str, step: int) -> str:
+    return steps.process(run_dir, step)
+
+
+@task(name="train", task_run_name="train-{step}", retries=1)
+def train(run_dir: str, step: int) -> str:
+    return steps.train(run_dir, step)
+
+
+@task(name="publish", task_run_name="publish-{step}", retries=1)
+def publish(run_dir: str, step: int) -> str:
+    return steps.publish(run_dir, step)
+
+
+@task(name="summarize")
+def summarize(run_dir: str) -> dict:
+    return report.summarize(run_dir)

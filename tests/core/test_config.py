@@ -1,0 +1,64 @@
+import subprocess
+import sys
+
+import pytest
+
+from gyre_core.config import ConfigError, GyreConfig, load_config, presets
+
+
+def test_presets_load_and_differ():
+    assert {"smoke", "quick", "default", "long"} <= set(presets())
+    smoke, long = load_config("smoke"), load_config("long")
+    assert smoke.rl.steps < long.rl.steps
+    assert long.env.kwargs["level"] == "BabyAI-BossLevel-v0"
+
+
+def test_dotted_overrides_parse_yaml_values():
+    cfg = load_config("quick", ["rl.lr=3e-4", "rollout.group_size=4", "harness.wall_clock_s=null",
+                                "env.kwargs.level=BabyAI-PickupLoc-v0"])
+    assert cfg.rl.lr == pytest.approx(3e-4)
+    assert cfg.rollout.group_size == 4
+    assert cfg.harness.wall_clock_s is None
+    assert cfg.env.kwargs == {"level": "BabyAI-PickupLoc-v0"}
+
+
+@pytest.mark.parametrize("override,message", [
+    ("rl.lr=-1", "rl.lr: Input should be greater than 0 (got -1)"),
+    ("rl.lrr=1", "rl.lrr: unknown key (allowed here: steps, lr,"),
+    ("rollout.group_size=many", "rollout.group_size: Input should be a valid integer"),
+    ("rl.advantage_norm=max", "rl.advantage_norm: Input should be 'none' or 'std'"),
+    ("noequals", "override 'noequals': expected key=value"),
+])
+def test_bad_values_name_the_field(override, message):
+    with pytest.raises(ConfigError) as err:
+        load_config("smoke", [override])
+    assert str(err.value).startswith(message)
+    assert "\n" not in str(err.value)
+
+
+def test_unknown_preset_lists_allowed():
+    with pytest.raises(ConfigError, match=r"preset: unknown preset 'nope' \(allowed: default, long, quick, smoke"):
+        load_config("nope")
+
+
+def test_every_field_has_a_docstring():
+    def walk(model):
+        for name, field in model.model_fields.items():
+            ann = field.annotation
+            if isinstance(ann, type) and hasattr(ann, "model_fields"):
+                yield from walk(ann)
+            elif name != "preset":
+                yield f"{model.__name__}.{name}", field.description
+    missing = [n for n, d in walk(GyreConfig) if not d]
+    assert missing == []
+
+
+def test_cli_config_error_exits_2_and_writes_nothing(tmp_path):
+    out = tmp_path / "runs"
+    proc = subprocess.run([sys.executable, "-m", "gyre_core.cli", "train", "--preset", "smoke", "--set", "rl.lr=0",
+                           "--set", f"run.out_root={out}", "--set", f"lake.root={tmp_path / 'lake'}"],
+                          capture_output=True, text=True)
+    assert proc.returncode == 2
+    lines = [l for l in proc.stderr.splitlines() if l.strip()]
+    assert lines == ["gyre: config error: rl.lr: Input should be greater than 0 (got 0)"]
+    assert not out.exists() and not (tmp_path / "lake").exists()

@@ -1,0 +1,110 @@
+"""The harness: append-only TITO contexts, compaction, limits, failures — on a scripted env with a real
+locally trained tokenizer (the same code path as the BabyAI runs)."""
+import pytest
+
+from gyre_core.config import HarnessConfig
+from gyre_core.envs.scripted import ScriptedEnv
+from gyre_core.harness.conversation import ChatFormat
+from gyre_core.harness.loop import ExecutionSpec, run_executions
+from gyre_core.harness.policies import ExpertPolicy, RandomPolicy
+from gyre_core.model import IM_END, train_tokenizer
+
+
+@pytest.fixture(scope="module")
+def tok():
+    env = ScriptedEnv(length=6)
+    return train_tokenizer(list(env.corpus(20, 0)) + [env.instructions()], vocab_size=300)
+
+
+def _run(tok, cfg, make_env=lambda: ScriptedEnv(length=6), policy=None, n=3):
+    fmt = ChatFormat(tok)
+    stop = tok.convert_tokens_to_ids(IM_END)
+    specs = [ExecutionSpec("r", 0, f"e{i}", "t", i, "train") for i in range(n)]
+    policy = policy or ExpertPolicy(tok, stop)
+    return run_executions(specs, policy, cfg, make_env, fmt, {stop: IM_END}, concurrency=2)
+
+
+def test_contexts_are_append_only_token_for_token(tok):
+    recs = _run(tok, HarnessConfig(max_turns=50, context_tokens=4096))
+    for r in recs:
+        assert r.status == "done" and r.success and r.partial == 1.0
+        assert r.turns == 6 and r.compactions == 0
+        for prev, cur in zip(r.calls, r.calls[1:]):
+            head = prev.prompt_ids + prev.completion_ids
+            assert cur.prompt_ids[:len(head)] == head          # TITO: turn k+1 extends turn k exactly
+            assert (cur.parent_call, cur.prefix_len) == (prev.call_index, len(head))
+            # the appended text is the template's continuation, decoded back exactly
+            added = tok.decode(cur.prompt_ids[len(head):])
+            assert added.startswith("\n<|im_start|>user\n") and added.endswith("<|im_end|>\n<|im_start|>assistant\n")
+        # the first prompt is exactly the chat template's rendering of instructions + mission + observation
+        env = ScriptedEnv(length=6)
+        obs = env.reset(r.seed)
+        text = tok.apply_chat_template(
+            [{"role": "system", "content": env.instructions()},
+             {"role": "user", "content": f"Mission: {env.mission()}\n{obs}"}],
+            tokenize=False, add_generation_prompt=True)
+        assert tok.decode(r.calls[0].prompt_ids) == text
+        assert tok.decode(r.calls[0].completion_ids) == "forward" + IM_END
+
+
+def test_compaction_opens_a_new_context_from_the_summary(tok):
+    first = _run(tok, HarnessConfig(max_turns=50, context_tokens=4096), n=1)[0]
+    budget = len(first.calls[2].prompt_ids) + 4      # room for about three turns
+    r = _run(tok, HarnessConfig(max_turns=50, context_tokens=budget, max_new_tokens=4), n=1)[0]
+    assert r.success and r.compactions >= 1
+    for c in r.calls:
+        assert len(c.prompt_ids) + 4 <= budget
+    new_ctx = [c for c in r.calls if c.parent_call == -1]
+    assert len(new_ctx) == r.compactions + 1
+    second = new_ctx[1]
+    assert second.role == "main-summary" and second.context_index == 1 and second.prefix_len == 0
+    assert "Mission:" in tok.decode(second.prompt_ids)
+
+
+def test_turn_limit_scores_what_was_left(tok):
+    stop = tok.convert_tokens_to_ids(IM_END)
+
+    class Waiter(ExpertPolicy):
+        def choose(self, env):
+            return "forward" if env._s["pos"] < 2 else "wait"
+
+    r = _run(tok, HarnessConfig(max_turns=5, context_tokens=4096), policy=Waiter(tok, stop), n=1)[0]
+    assert r.status == "turn_limit" and r.turns == 5
+    assert not r.success and r.partial == pytest.approx(2 / 6)
+
+
+def test_invalid_actions_are_answered_and_counted(tok):
+    stop = tok.convert_tokens_to_ids(IM_END)
+
+    class Babbler(ExpertPolicy):
+        said = False
+
+        def choose(self, env):
+            if not self.said:
+                self.said = True
+                return "jump"
+            return "forward"
+
+    r = _run(tok, HarnessConfig(max_turns=20, context_tokens=4096), policy=Babbler(tok, stop), n=1)[0]
+    assert r.invalid_actions == 1 and r.success and r.turns == 7
+
+
+def test_env_exception_fails_one_execution_and_the_rest_go_on(tok):
+    class Exploding(ScriptedEnv):
+        def step(self, action):
+            if self._s["seed"] == 1 and self._s["steps"] == 2:
+                raise RuntimeError("sandbox died")
+            return super().step(action)
+
+    recs = _run(tok, HarnessConfig(max_turns=50, context_tokens=4096), make_env=lambda: Exploding(6), n=3)
+    assert [r.status for r in recs] == ["done", "failed", "done"]
+    assert recs[1].error == "RuntimeError: sandbox died" and len(recs[1].calls) == 3
+
+
+def test_random_policy_uses_only_env_actions(tok):
+    stop = tok.convert_tokens_to_ids(IM_END)
+    recs = _run(tok, HarnessConfig(max_turns=10, context_tokens=4096), policy=RandomPolicy(tok, stop, seed=3), n=4)
+    for r in recs:
+        for c in r.calls:
+            assert tok.decode(c.completion_ids[:-1]) in ScriptedEnv.actions
+            assert c.completion_ids[-1] == stop
