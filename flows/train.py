@@ -5,6 +5,8 @@ Rerunning with the same parameters resumes: finished steps return from their com
 """
 from __future__ import annotations
 
+import time
+
 from prefect import flow
 
 from gyre_core.config import load_config
@@ -14,6 +16,7 @@ from tasks import rl
 @flow(name="gyre-train", flow_run_name="train-{preset}", validate_parameters=True)
 def train(preset: str = "default", overrides: list[str] | None = None, steps: int | None = None) -> dict:
     overrides = list(overrides or []) + ([f"rl.steps={steps}"] if steps is not None else [])
+    started_at = time.time()
     cfg = load_config(preset, overrides)          # a bad parameter fails here, before any work
     run_dir = rl.prepare(preset, overrides)
     rl.warm_start(run_dir)
@@ -25,4 +28,4 @@ def train(preset: str = "default", overrides: list[str] | None = None, steps: in
         rl.train(run_dir, step)
         rl.publish(run_dir, step)
     rl.evaluate(run_dir, "after")
-    return rl.summarize(run_dir)
+    return rl.summarize(run_dir, started_at)

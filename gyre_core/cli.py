@@ -40,11 +40,20 @@ def cmd_train(args) -> int:
         torch.set_num_threads(cfg.run.threads)
     from flows.train import train
 
+    from .model import PolicyLoadError
+    from .run import CheckpointError
+
     try:
         summary = train(preset=args.preset, overrides=list(args.set or []), steps=args.steps)
     except ConfigError as exc:
         print(f"gyre: config error: {exc}", file=sys.stderr)
         return 2
+    except (CheckpointError, PolicyLoadError) as exc:
+        print(f"gyre: error: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print(f"gyre: interrupted; run the same command again to resume run '{cfg.run_id()}'", file=sys.stderr)
+        return 130
     from .report import render_summary
 
     render_summary(summary)

@@ -12,9 +12,10 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 PRESET_DIR = Path(__file__).parent / "presets"
+DEMO_SEED_OFFSET = 500_000_000   # demonstrations use train_seed_start + this + i
 
 
 class ConfigError(ValueError):
@@ -146,8 +147,8 @@ class TrackingConfig(_Section):
 
 
 class TrainerConfig(_Section):
-    zero_stage: int = Field(1, ge=0, le=3)
-    """DeepSpeed ZeRO stage."""
+    zero_stage: int = Field(1, ge=0, le=2)
+    """DeepSpeed ZeRO stage (0–2; stage 3 partitions the weights the publisher reads)."""
     publish_root: str | None = None
     """Where policy versions are published (fsspec URL). None: `<run dir>/weights`."""
 
@@ -166,6 +167,19 @@ class GyreConfig(_Section):
     lake: LakeConfig = Field(default_factory=LakeConfig)
     tracking: TrackingConfig = Field(default_factory=TrackingConfig)
     trainer: TrainerConfig = Field(default_factory=TrainerConfig)
+
+    @model_validator(mode="after")
+    def _seed_ranges_disjoint(self):
+        """Held-out seeds must never be trained on: RL tasks and demonstrations stay below them."""
+        e = self.env
+        train_end = e.train_seed_start + self.rl.steps * self.rollout.tasks_per_step
+        demo_start = e.train_seed_start + DEMO_SEED_OFFSET
+        ranges = [(e.train_seed_start, train_end), (demo_start, demo_start + self.warmstart.episodes)]
+        ev = (e.eval_seed_start, e.eval_seed_start + self.eval.episodes)
+        if any(lo < ev[1] and ev[0] < hi for lo, hi in ranges):
+            raise ValueError(f"env.eval_seed_start: held-out seeds [{ev[0]}, {ev[1]}) overlap training or demonstration seeds "
+                             f"{ranges}; move env.eval_seed_start")
+        return self
 
     def run_id(self) -> str:
         return self.run.name or f"{self.preset}-s{self.run.seed}"
@@ -189,6 +203,8 @@ def _set_dotted(tree: dict, dotted: str, value: Any) -> None:
 def _describe(err: ValidationError) -> str:
     e = err.errors()[0]
     loc = ".".join(str(p) for p in e["loc"])
+    if not loc:   # a whole-config rule; its message names the field
+        return e["msg"].removeprefix("Value error, ")
     if e["type"] == "extra_forbidden":
         section = _section_for(e["loc"][:-1])
         allowed = ", ".join(section.model_fields) if section else ""

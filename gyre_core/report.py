@@ -2,13 +2,14 @@
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 from .evaluation import paired
 from .run import RunDir
 
 
-def summarize(run_dir: str) -> dict:
+def summarize(run_dir: str, started_at: float | None = None) -> dict:
     """Collect the run's figures from its markers; write summary.json and the reward curve; log both."""
     from .evaluation import EvalResult
     from .steps import latest_version, tracker
@@ -50,7 +51,8 @@ def summarize(run_dir: str) -> dict:
         "publish": sum(m.get("time/publish_s", 0.0) for m in per_step),
     }
     summary["phase_s"] = phases
-    summary["wall_s"] = sum(phases.values())
+    summary["work_s"] = sum(phases.values())      # all phases, across resumed invocations
+    summary["wall_s"] = time.time() - started_at if started_at else summary["work_s"]   # this invocation
     summary["logprob_mismatch_max"] = max((abs(m.get("train/logprob_mismatch", 0.0)) for m in per_step), default=0.0)
     t = tracker(run)
     summary["paths"] = {"run_dir": str(run.path), "lake": run.cfg.lake.root, "checkpoints": str(run.ckpt),
@@ -63,6 +65,7 @@ def summarize(run_dir: str) -> dict:
     final = {f"eval/{k}_success": v["success"] for k, v in (("before", summary["eval_before"]),
                                                              ("after", summary["eval_after"])) if v["success"] is not None}
     t.log_metrics(final, steps)
+    t.finish()
     return summary
 
 
@@ -113,7 +116,8 @@ def render_summary(s: dict) -> None:
     t.add_row("tokens generated / trained", "", f"{s['tokens_generated']:,} / {s['tokens_trained']:,}")
     for k, v in s["phase_s"].items():
         t.add_row(f"time: {k}", "", f"{v:.1f} s")
-    t.add_row("time: total", "", f"{s['wall_s']:.1f} s")
+    t.add_row("time: all phases", "", f"{s['work_s']:.1f} s")
+    t.add_row("time: wall (this invocation)", "", f"{s['wall_s']:.1f} s")
     c = Console()
     c.print(t)
     p = s["paths"]

@@ -26,6 +26,10 @@ from .config import ConfigError, GyreConfig
 _CACHE: dict[tuple[str, str], object] = {}
 
 
+class CheckpointError(RuntimeError):
+    """A run's checkpoint or published weights cannot be read. The message names the file."""
+
+
 class RunDir:
     def __init__(self, path: Path | str, cfg: GyreConfig):
         self.path = Path(path)
@@ -104,7 +108,7 @@ class RunDir:
 
 
 def _without_steps(cfg: dict) -> dict:
-    """Config fields that may change on resume (more steps, another evaluation size) are not compared."""
+    """Config fields that may change on resume (the number of RL steps) are not compared."""
     c = json.loads(json.dumps(cfg))
     c.get("rl", {}).pop("steps", None)
     c.pop("preset", None)

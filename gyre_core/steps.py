@@ -17,8 +17,8 @@ from pathlib import Path
 
 import pyarrow as pa
 
-from .config import ConfigError, GyreConfig
-from .run import RunDir
+from .config import DEMO_SEED_OFFSET, ConfigError, GyreConfig
+from .run import CheckpointError, RunDir
 from .ui import phase
 
 # ----------------------------------------------------------------------------------------------
@@ -103,24 +103,31 @@ def _read_records(run: RunDir, part: str):
 
 
 def prepare(cfg: GyreConfig) -> str:
-    """Create the run directory and its initial policy. Bad model paths fail here, before any rollout."""
+    """Create the run directory and its initial policy.
+
+    Everything that would stop a run later is checked here, before any rollout: the lake root, the
+    environment target, `model.path`, and on resume every checkpoint the run will read.
+    """
+    from .envs import load_env, supports
     from .lake import Lake
     from .model import PolicyLoadError, build_tiny_model, load_policy, save_policy, train_tokenizer
 
-    Lake(cfg.lake.root).check_writable()
-    run = RunDir.create(cfg)
-    if run.done("prepare"):
-        load_policy(str(run.policy0))   # a corrupt directory is still caught before rollouts
-        return str(run.path)
+    try:
+        env = load_env(cfg.env.target, **cfg.env.kwargs)
+    except Exception as exc:
+        raise ConfigError(f"env.target: {exc}") from None
+    model = tok = None
     if cfg.model.path:
         try:
             model, tok = load_policy(cfg.model.path)
         except PolicyLoadError as exc:
             raise ConfigError(f"model.path: {exc}") from None
-    else:
-        env = _env_factory(run)()
-        from .envs import supports
-
+    Lake(cfg.lake.root).check_writable()
+    run = RunDir.create(cfg)
+    if run.done("prepare"):
+        check_resumable(run)
+        return str(run.path)
+    if model is None:
         texts = list(env.corpus(cfg.model.tokenizer_corpus_episodes, cfg.run.seed)) if supports(env, "corpus") else []
         texts.append(env.instructions())
         tok = train_tokenizer(texts, cfg.model.vocab_size)
@@ -131,6 +138,35 @@ def prepare(cfg: GyreConfig) -> str:
     save_policy(model, tok, str(run.policy0))
     run.mark("prepare", {"params": sum(p.numel() for p in model.parameters()), "vocab": len(tok)})
     return str(run.path)
+
+
+def check_resumable(run: RunDir) -> None:
+    """Load what a resumed run will read (policy dirs, published weights, the newest DeepSpeed
+    checkpoint) so a corrupt file stops the run here with its path, not in the middle of a step."""
+    from .model import load_policy
+    from .trainer.publish import load_weights
+
+    load_policy(str(run.policy0))
+    if run.done("warm_start") is None:
+        return
+    load_policy(str(run.warm))
+    v = latest_version(run)
+    for uri in {run.weights_uri(0), run.weights_uri(v)}:
+        try:
+            load_weights(uri)
+        except Exception as exc:
+            raise CheckpointError(f"published weights {uri} are unreadable ({type(exc).__name__}: {exc}); "
+                                  f"delete the run directory to start over") from None
+    # the checkpoint the next train step loads: v, or v+1 when its train step finished but publish did not
+    newest = v + 1 if run.done(f"train_{v:04d}") is not None else v
+    if newest == 0:
+        return
+    tag_dir = run.ckpt / f"v{newest}"
+    need = ["mp_rank_*_model_states.pt"] + (["*optim_states.pt"] if run.cfg.trainer.zero_stage >= 1 else [])
+    for pattern in need:
+        if not any(tag_dir.glob(pattern)):
+            raise CheckpointError(f"checkpoint {tag_dir} is missing or incomplete (no {pattern}); "
+                                  f"delete the run directory to start over")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -150,7 +186,7 @@ def warm_start(run_dir: str) -> str:
 
     cfg, t0 = run.cfg, time.time()
     ws = cfg.warmstart
-    seeds = [cfg.env.train_seed_start + 500_000_000 + i for i in range(ws.episodes)]  # apart from RL seeds
+    seeds = [cfg.env.train_seed_start + DEMO_SEED_OFFSET + i for i in range(ws.episodes)]  # apart from RL seeds
     specs = [ExecutionSpec(run.run_id, -1, f"{run.run_id}/demo/{i}", f"seed{s}", s, "demo")
              for i, s in enumerate(seeds)]
     with phase("warm start: demonstrations", len(specs)) as tick:
@@ -215,7 +251,7 @@ def evaluate(run_dir: str, label: str, version: int | None = None) -> dict:
             policy = RandomPolicy(_tokenizer(run), _stop_id(run), cfg.run.seed)
         else:
             eng = _engine_at(run, version)
-            eng.reseed(cfg.run.seed * 1_000_003 + 7)   # same sampling stream before and after
+            eng.reseed(cfg.run.seed * 1_000_003 + EVAL_STREAM)   # same sampling stream before and after
             policy = EnginePolicy(eng, temp)
         with phase(f"evaluate {label}: {mode}", len(specs)) as tick:
             recs = _run_policy(run, specs, policy, lambda r: tick())
@@ -226,6 +262,9 @@ def evaluate(run_dir: str, label: str, version: int | None = None) -> dict:
     _write_records(run, f"eval-{label}", all_records)
     out["wall_s"] = time.time() - t0
     return run.mark(f"eval_{label}", out)
+
+
+EVAL_STREAM = 999_983   # sampling stream of evaluations; rollout step n uses stream n
 
 
 def latest_version(run: RunDir) -> int:
@@ -366,11 +405,19 @@ def train(run_dir: str, step: int) -> str:
         return m["checkpoint"]
     import torch
 
+    t0 = time.time()
+    batch = torch.load(process(run_dir, step), weights_only=False)
+    try:
+        return _train_step(run, step, batch, t0)
+    except BaseException:
+        run.drop_cached("trainer")   # half-accumulated gradients or a half-applied update: reload on retry
+        raise
+
+
+def _train_step(run: RunDir, step: int, batch, t0: float) -> str:
     from .processor.batch import micro_batches
 
-    cfg, t0 = run.cfg, time.time()
-    rl = cfg.rl
-    batch = torch.load(process(run_dir, step), weights_only=False)
+    cfg, rl = run.cfg, run.cfg.rl
     trainer = _trainer(run, step)
     totals: dict[str, float] = {}
     first_epoch: dict[str, float] = {}
@@ -389,6 +436,13 @@ def train(run_dir: str, step: int) -> str:
                 tick()
             if chunks:
                 grad_norm = trainer.optimizer_step()
+    # the update's size: KL and clip fraction of the new policy against the behaviour one, on a sample
+    shift = {"kl": 0.0, "clipped": 0.0, "tokens": 0.0}
+    for chunk in chunks[::4]:
+        for key, v in trainer.policy_shift(chunk, temperature=cfg.rollout.temperature, clip_low=rl.clip_low,
+                                           clip_high=rl.clip_high).items():
+            shift[key] += v
+    ns = max(shift["tokens"], 1.0)
     n = max(totals.get("tokens", 0.0), 1.0)
     n0 = max(first_epoch.get("tokens", 0.0), 1.0)
     tag = f"v{step + 1}"
@@ -397,7 +451,8 @@ def train(run_dir: str, step: int) -> str:
     run.cached("trainer", lambda: (trainer, step + 1))
     return run.mark(f"train_{step:04d}", {
         "checkpoint": str(run.ckpt / tag), "loss": totals.get("loss", 0.0),
-        "clip_frac": totals.get("clip_frac", 0.0) / n, "kl": totals.get("approx_kl", 0.0) / n,
+        "clip_frac": shift["clipped"] / ns, "kl": shift["kl"] / ns,
+        "clip_frac_in_update": totals.get("clip_frac", 0.0) / n,
         "entropy": totals.get("entropy", 0.0) / n,
         "logprob_mismatch": first_epoch.get("logprob_mismatch", 0.0) / n0,
         "tokens_trained": first_epoch.get("tokens", 0.0), "grad_norm": grad_norm,
@@ -431,6 +486,7 @@ def step_metrics(run: RunDir, step: int) -> dict[str, float]:
         "rollout/compactions": ro.get("compactions", 0), "rollout/invalid_actions": ro.get("invalid_actions", 0),
         "tokens/generated": ro.get("tokens_generated", 0), "tokens/trained": pr.get("tokens_trained", 0),
         "train/loss": tr.get("loss", 0.0), "train/kl": tr.get("kl", 0.0), "train/clip_frac": tr.get("clip_frac", 0.0),
+        "train/clip_frac_in_update": tr.get("clip_frac_in_update", 0.0),
         "train/entropy": tr.get("entropy", 0.0), "train/logprob_mismatch": tr.get("logprob_mismatch", 0.0),
         "train/grad_norm": tr.get("grad_norm", 0.0), "train/staleness": tr.get("staleness", 0),
         "time/rollout_s": ro.get("rollout_s", 0.0), "time/score_s": sc.get("score_s", 0.0),

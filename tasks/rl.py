@@ -51,5 +51,5 @@ def publish(run_dir: str, step: int) -> str:
 
 
 @task(name="summarize")
-def summarize(run_dir: str) -> dict:
-    return report.summarize(run_dir)
+def summarize(run_dir: str, started_at: float) -> dict:
+    return report.summarize(run_dir, started_at)

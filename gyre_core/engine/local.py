@@ -105,6 +105,8 @@ class LocalEngine:
     # ---- public API -------------------------------------------------------------------------------
     def generate(self, requests: list[GenRequest]) -> list[GenResult]:
         """Generate for all requests together; results are in request order."""
+        if not requests:
+            return []
         self._validate(requests)
         t0 = time.perf_counter()
         call = self._calls

@@ -25,12 +25,14 @@ from gyre_core.envs.protocol import Score, StepResult
 class ScriptedEnv:
     actions = ("forward", "back", "wait", "done")
 
-    def __init__(self, length: int = 5, max_steps: int | None = None) -> None:
+    def __init__(self, length: int = 5, max_steps: int | None = None, crash_seeds: tuple[int, ...] = ()) -> None:
+        """`crash_seeds`: episodes whose third step raises (a sandbox dying), to test failure handling."""
         if length < 1:
             raise ValueError(f"length must be >= 1, got {length}")
         self.name = f"corridor-{length}"
         self.length = length
         self.max_steps = max_steps if max_steps is not None else 3 * length
+        self.crash_seeds = tuple(crash_seeds)
         self._s = {"seed": 0, "pos": 0, "steps": 0, "done": False}
 
     def instructions(self) -> str:
@@ -52,6 +54,8 @@ class ScriptedEnv:
                               + ", ".join(self.actions), done=s["done"], valid=False)
         if s["done"]:
             return StepResult(self._observe(), done=True)
+        if s["seed"] in self.crash_seeds and s["steps"] == 2:
+            raise RuntimeError(f"sandbox of episode {s['seed']} died")
         s["steps"] += 1
         if word == "forward":
             s["pos"] += 1

@@ -76,6 +76,9 @@ class Execution:
             self._open_context(f"Mission: {env.mission()}\n{obs}", role="main")
         except Exception as exc:  # an environment that cannot even start
             self._fail(exc)
+            return
+        if len(self._prompt) + cfg.max_new_tokens > cfg.context_tokens:
+            self._finish(STATUS_TOKEN_LIMIT)   # the first observation alone overflows the budget
 
     # -- context management -------------------------------------------------------------------
     def _open_context(self, user_text: str, role: str) -> None:
@@ -132,7 +135,14 @@ class Execution:
             return self._finish(STATUS_TOKEN_LIMIT)
         if self.cfg.wall_clock_s is not None and time.time() - rec.t_start > self.cfg.wall_clock_s:
             return self._finish(STATUS_TIMEOUT)
-        self._extend_context(result.observation, call)
+        try:
+            self._extend_context(result.observation, call)
+        except Exception as exc:   # e.g. the environment's summary() during compaction
+            self._fail(exc)
+            return
+        if len(self._prompt) + self.cfg.max_new_tokens > self.cfg.context_tokens:
+            # even a fresh context from the summary does not fit: stop here, scored on what it left
+            self._finish(STATUS_TOKEN_LIMIT)
 
     def _finish(self, status: str) -> None:
         self.record.status = status
@@ -140,7 +150,9 @@ class Execution:
             score = self.env.score()
             self.record.success, self.record.partial = bool(score.success), float(score.partial)
         except Exception as exc:
-            self.record.error = f"score: {type(exc).__name__}: {exc}"
+            # an evaluator failure is not a zero: the execution is excluded from training, with why
+            self.record.status = STATUS_FAILED
+            self.record.error = f"score: {type(exc).__name__}: {exc}"[:2000]
         self._close()
 
     def _fail(self, exc: BaseException) -> None:
@@ -182,6 +194,8 @@ def run_executions(specs: list[ExecutionSpec], policy: Policy, cfg: HarnessConfi
                 retire(i, ex)
             else:
                 live.append((i, ex))
+        if not live:      # everything pending failed to start
+            continue
         calls = [ex.request() for _, ex in live]
         t0 = time.time()
         outs = policy.complete(calls)

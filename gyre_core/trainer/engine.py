@@ -59,7 +59,9 @@ class Trainer:
             "wall_clock_breakdown": False,
         }
         self.engine, self.optimizer, _, _ = deepspeed.initialize(model=model, optimizer=opt, config=ds_config)
-        self.engine.train()
+        # Dropout off: the trainer's log-probs must be those of the policy the engine sampled from
+        # (the PPO ratio and the behaviour/trainer mismatch metric assume it). Gradients flow as usual.
+        self.engine.module.eval()
         self._pending = False
 
     @property
@@ -88,6 +90,21 @@ class Trainer:
         stats.update(loss=loss.item(), tokens=float(c.tgt.numel()), entropy=entropy.detach().sum().item(),
                      nll=-logp.detach().sum().item())
         return stats
+
+    @torch.no_grad()
+    def policy_shift(self, seqs, *, temperature: float = 1.0, clip_low: float = 0.2,
+                     clip_high: float = 0.28) -> dict[str, float]:
+        """After an update: how far the policy moved from the behaviour policy on these sequences.
+
+        Sums over scored tokens of the k3 estimate of KL(μ‖π) and of ratios outside the clip range.
+        """
+        c = collate(seqs, self.pad_id)
+        out = self.engine(input_ids=c.input_ids, attention_mask=c.attention_mask, use_cache=False)
+        logp, _ = token_logprobs(out.logits, c, temperature)
+        log_r = logp.double() - c.old_logprobs
+        r = log_r.exp()
+        return {"kl": ((r - 1) - log_r).sum().item(), "tokens": float(c.tgt.numel()),
+                "clipped": ((r < 1 - clip_low) | (r > 1 + clip_high)).double().sum().item()}
 
     def optimizer_step(self) -> float:
         """Apply the accumulated gradient (clipped); returns the gradient norm before clipping."""

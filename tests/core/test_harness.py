@@ -108,3 +108,38 @@ def test_random_policy_uses_only_env_actions(tok):
         for c in r.calls:
             assert tok.decode(c.completion_ids[:-1]) in ScriptedEnv.actions
             assert c.completion_ids[-1] == stop
+
+
+def test_failures_at_start_or_in_compaction_end_only_their_execution(tok):
+    class Broken(ScriptedEnv):
+        def reset(self, seed):
+            if seed == 2:
+                raise OSError("no sandbox")
+            return super().reset(seed)
+
+        def summary(self):
+            if self._s["seed"] == 1:
+                raise ValueError("cannot summarise")
+            return super().summary()
+
+    first = _run(tok, HarnessConfig(max_turns=50, context_tokens=4096), n=1)[0]
+    budget = len(first.calls[2].prompt_ids) + 4   # forces a compaction after about three turns
+    recs = _run(tok, HarnessConfig(max_turns=50, context_tokens=budget, max_new_tokens=4),
+                make_env=lambda: Broken(6), n=3)
+    assert [r.status for r in recs] == ["done", "failed", "failed"]
+    assert recs[1].error == "ValueError: cannot summarise" and recs[1].turns >= 2
+    assert recs[2].error == "OSError: no sandbox" and recs[2].turns == 0
+
+
+def test_a_first_context_over_budget_stops_with_a_token_limit(tok):
+    recs = _run(tok, HarnessConfig(max_turns=50, context_tokens=40, max_new_tokens=4), n=1)
+    assert recs[0].status == "token_limit" and recs[0].turns == 0 and recs[0].partial == 0.0
+
+
+def test_a_scorer_exception_excludes_the_execution_with_its_reason(tok):
+    class NoScore(ScriptedEnv):
+        def score(self):
+            raise KeyError("evaluator crashed")
+
+    r = _run(tok, HarnessConfig(max_turns=50, context_tokens=4096), make_env=lambda: NoScore(6), n=1)[0]
+    assert r.status == "failed" and r.error == "score: KeyError: 'evaluator crashed'" and r.turns == 6

@@ -61,6 +61,14 @@ def test_split_micro_steps_match_torch_on_the_whole_batch(model):
     assert gnorm == pytest.approx(ref_norm, rel=1e-4)
     for (n, p), q in zip(trainer.model.named_parameters(), ref.parameters()):
         assert torch.allclose(p, q, atol=1e-6), n
+    # the update's size against the behaviour log-probs, recomputed with the reference's new weights
+    with torch.no_grad():
+        new_logp, _ = token_logprobs(ref(input_ids=c.input_ids, attention_mask=c.attention_mask).logits, c)
+    log_r = new_logp.double() - c.old_logprobs
+    shift = trainer.policy_shift(seqs, clip_low=0.2, clip_high=0.28)
+    assert shift["tokens"] == c.tgt.numel()
+    assert shift["kl"] == pytest.approx(((log_r.exp() - 1) - log_r).sum().item(), rel=1e-4)
+    assert shift["clipped"] == ((log_r.exp() < 0.8) | (log_r.exp() > 1.28)).sum().item()
 
 
 def test_optimizer_step_before_last_micro_step_is_refused(model):

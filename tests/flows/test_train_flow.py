@@ -1,13 +1,15 @@
 """The `smoke` RL flow under Prefect: what it must leave in the lake and in MLflow, and resume."""
 import json
 
-import duckdb
 import pytest
+import torch
 from mlflow.tracking import MlflowClient
 
 from flows.train import train
 from gyre_core import steps
 from gyre_core.lake.sql import connect
+from gyre_core.run import _CACHE as run_cache
+from gyre_core.trainer.publish import load_weights
 
 
 def _overrides(tmp, name):
@@ -19,8 +21,15 @@ def _q(con, sql):
     return con.execute(sql).fetchall()
 
 
-def test_smoke_flow_leaves_lake_rows_and_mlflow_metrics(tmp_path):
-    summary = train(preset="smoke", overrides=_overrides(tmp_path, "flowtest"))
+@pytest.fixture(scope="module")
+def clean_run(tmp_path_factory):
+    """A smoke run that never crashed."""
+    tmp = tmp_path_factory.mktemp("clean")
+    return tmp, train(preset="smoke", overrides=_overrides(tmp, "flowtest"))
+
+
+def test_smoke_flow_leaves_lake_rows_and_mlflow_metrics(clean_run):
+    tmp_path, summary = clean_run
     B, G, steps_n, eval_n = 2, 4, 2, 16
     assert summary["rl_steps"] == steps_n and summary["eval_paired"] is True
     assert summary["eval_episodes"] == eval_n
@@ -55,7 +64,7 @@ def test_smoke_flow_leaves_lake_rows_and_mlflow_metrics(tmp_path):
     assert {"config.yaml", "summary.json", "reward_curve.png"} <= arts
 
 
-def test_resume_after_a_failed_task_skips_finished_steps(tmp_path, monkeypatch):
+def test_resume_after_a_failed_task_skips_finished_steps(tmp_path, monkeypatch, clean_run):
     ov = _overrides(tmp_path, "resumetest")
     real_publish = steps.publish
     calls = {"n": 0}
@@ -75,6 +84,7 @@ def test_resume_after_a_failed_task_skips_finished_steps(tmp_path, monkeypatch):
     assert "train_0001.json" in before and "publish_0002.json" not in before
 
     monkeypatch.setattr(steps, "publish", real_publish)
+    run_cache.clear()       # resume as a fresh process would: trainer and engine come from checkpoints
     summary = train(preset="smoke", overrides=ov)
     after = {p.name: json.loads(p.read_text())["marked_at"] for p in markers.glob("*.json")}
     for name, t in before.items():   # finished steps came back from their markers, not redone
@@ -87,3 +97,10 @@ def test_resume_after_a_failed_task_skips_finished_steps(tmp_path, monkeypatch):
     client = MlflowClient(tracking_uri=f"sqlite:///{tmp_path}/mlflow.db")
     hist = client.get_metric_history(summary["paths"]["mlflow_run_id"], "reward/mean")
     assert sorted(m.step for m in hist) == [0, 1]
+    # the resumed run ends with exactly the weights of the run that never crashed (same seeds)
+    clean_tmp, _ = clean_run
+    crashed = load_weights(str(tmp_path / "runs" / "resumetest" / "weights" / "v2.safetensors"))
+    clean = load_weights(str(clean_tmp / "runs" / "flowtest" / "weights" / "v2.safetensors"))
+    assert crashed.keys() == clean.keys()
+    for k in clean:
+        assert torch.equal(crashed[k], clean[k]), k

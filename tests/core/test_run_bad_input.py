@@ -1,0 +1,75 @@
+"""Bad input end to end through the steps (no Prefect): failing executions, bad model paths and
+environment targets, corrupt checkpoints on resume."""
+import shutil
+
+import pytest
+
+from gyre_core import steps
+from gyre_core.config import ConfigError, load_config
+from gyre_core.lake.sql import connect
+from gyre_core.run import CheckpointError
+
+CRASH_SEED = 1   # the second training task of step 0
+
+
+def _cfg(tmp, *extra):
+    return load_config("smoke", [
+        f"run.out_root={tmp}/runs", f"lake.root={tmp}/lake", f"tracking.uri=sqlite:///{tmp}/mlflow.db",
+        "env.target=gyre_core.envs.scripted:ScriptedEnv", f"env.kwargs={{length: 4, crash_seeds: [{CRASH_SEED}]}}",
+        "env.eval_seed_start=1000", "warmstart.episodes=8", "warmstart.steps=3", "eval.episodes=4",
+        "eval.greedy_episodes=0", "rl.steps=1", *extra])
+
+
+@pytest.fixture(scope="module")
+def finished_run(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("run")
+    cfg = _cfg(tmp)
+    run_dir = steps.prepare(cfg)
+    steps.warm_start(run_dir)
+    for fn in (steps.rollout, steps.score, steps.process, steps.train, steps.publish):
+        fn(run_dir, 0)
+    return tmp, cfg, run_dir
+
+
+def test_an_environment_exception_fails_one_execution_with_its_reason(finished_run):
+    tmp, cfg, _ = finished_run
+    con = connect(f"{tmp}/lake")
+    rows = con.execute("SELECT seed, status, error FROM executions WHERE split='train' ORDER BY seed").fetchall()
+    G = cfg.rollout.group_size
+    assert [r[1] for r in rows] == ["done"] * G + ["failed"] * G
+    assert {r[2] for r in rows if r[0] == CRASH_SEED} == {f"RuntimeError: sandbox of episode {CRASH_SEED} died"}
+    # the failed ones are excluded from training with the reason, the others trained
+    excl = con.execute("SELECT count(*), any_value(reason) FROM scores WHERE excluded").fetchall()
+    assert excl == [(G, f"RuntimeError: sandbox of episode {CRASH_SEED} died")]
+    assert con.execute("SELECT count(DISTINCT execution_id) FROM train_tokens").fetchall() == [(G,)]
+
+
+def test_missing_model_path_is_refused_before_anything_is_written(tmp_path):
+    cfg = _cfg(tmp_path, f"model.path={tmp_path}/no-such-model")
+    with pytest.raises(ConfigError, match=r"^model.path: .*no-such-model"):
+        steps.prepare(cfg)
+    assert not (tmp_path / "runs").exists()
+
+
+def test_unknown_environment_target_is_a_config_error(tmp_path):
+    cfg = _cfg(tmp_path, "env.target=gyre_core.envs.scripted:NoSuchEnv")
+    with pytest.raises(ConfigError, match=r"^env.target: .*NoSuchEnv"):
+        steps.prepare(cfg)
+
+
+def test_corrupt_checkpoint_stops_a_resume_before_any_rollout(finished_run, tmp_path):
+    tmp, cfg, run_dir = finished_run
+    copy = tmp_path / "copy"
+    shutil.copytree(tmp, copy)
+    cfg2 = _cfg(copy)
+    weights = copy / "runs" / cfg.run_id() / "weights" / "v1.safetensors"
+    data = weights.read_bytes()
+    weights.write_bytes(data[: len(data) // 2])
+    with pytest.raises(CheckpointError, match=r"v1\.safetensors are unreadable"):
+        steps.prepare(cfg2)
+    weights.write_bytes(data)
+    for f in (copy / "runs" / cfg.run_id() / "ckpt" / "v1").glob("*optim_states*"):
+        f.unlink()
+    with pytest.raises(CheckpointError, match=r"ckpt/v1 is missing or incomplete"):
+        steps.prepare(cfg2)
+    assert steps.prepare(_cfg(tmp)) == run_dir    # the intact run still resumes
