@@ -91,6 +91,19 @@ class RolloutConfig(_Section):
     """Sampling temperature of rollouts and of the sampled evaluation."""
     concurrency: int = Field(128, gt=0)
     """Executions run at once; their model calls are batched together."""
+    fork_k: int = Field(1, gt=0)
+    """Branching rollouts: each of group_size / fork_k root executions forks into fork_k continuations
+    (itself included) from a saved environment state; 1 turns forking off. Must divide group_size."""
+    fork_turns: tuple[int, int] = (1, 8)
+    """Branching rollouts: the fork turn is drawn uniformly from this inclusive range."""
+
+    @model_validator(mode="after")
+    def _fork_divides_group(self):
+        if self.group_size % self.fork_k:
+            raise ValueError(f"rollout.fork_k: {self.fork_k} must divide rollout.group_size ({self.group_size})")
+        if not 1 <= self.fork_turns[0] <= self.fork_turns[1]:
+            raise ValueError(f"rollout.fork_turns: need 1 ≤ low ≤ high, got {list(self.fork_turns)}")
+        return self
 
 
 class WarmStartConfig(_Section):
@@ -123,6 +136,27 @@ class RLConfig(_Section):
     """Reward of a failed or timed-out execution = this × its partial-progress score (success = 1)."""
     advantage_norm: Literal["none", "std"] = "none"
     """Divide group-relative advantages by the group's reward std (`std`) or not."""
+
+
+class ProcessorConfig(_Section):
+    mode: Literal["tree", "flat"] = "tree"
+    """`tree`: prefix trees, loop pruning, bounded dedup sampling and credit; `flat`: every context as one sequence."""
+    j_max: int | None = Field(5, gt=0)
+    """Most root-to-leaf paths trained per execution (None: until every trainable token is covered)."""
+    token_budget: int | None = Field(None, gt=0)
+    """Packed tokens per step over all trees (lazy-greedy; None: no limit)."""
+    weighting: Literal["loss_once", "per_branch"] = "loss_once"
+    """A shared trainable token counts once (`loss_once`) or once per selected branch through it."""
+    role_order: list[str] = Field(default_factory=lambda: ["main", "main-summary", "sub-agent", "sub-agent-summary"])
+    """Context roles by sampling priority, highest first."""
+    credit: Literal["grpo", "tree"] = "grpo"
+    """`grpo`: each path inherits its execution's group-relative advantage; `tree`: plus V(node) − V(parent)."""
+    shrink_k: float = Field(0.0, ge=0)
+    """Tree credit: pseudo-count pulling a thin node's value toward its parent's."""
+    prune_repeats: int | None = Field(2, ge=1)
+    """Loop pruning: truncate a path after this many repeats of an (action, observation) cycle (None: off)."""
+    prune_period: int = Field(8, gt=0)
+    """Loop pruning: longest cycle, in steps, looked for."""
 
 
 class EvalConfig(_Section):
@@ -163,6 +197,7 @@ class GyreConfig(_Section):
     rollout: RolloutConfig = Field(default_factory=RolloutConfig)
     warmstart: WarmStartConfig = Field(default_factory=WarmStartConfig)
     rl: RLConfig = Field(default_factory=RLConfig)
+    processor: ProcessorConfig = Field(default_factory=ProcessorConfig)
     eval: EvalConfig = Field(default_factory=EvalConfig)
     lake: LakeConfig = Field(default_factory=LakeConfig)
     tracking: TrackingConfig = Field(default_factory=TrackingConfig)
@@ -225,8 +260,8 @@ def _section_for(loc: tuple) -> type[BaseModel] | None:
     return model
 
 
-def parse_overrides(items: list[str]) -> dict:
-    tree: dict = {}
+def apply_overrides(tree: dict, items: list[str]) -> dict:
+    """Assign each dotted `key=value` in order: a value replaces what is at its key (a dict included)."""
     for item in items:
         if "=" not in item:
             raise ConfigError(f"override '{item}': expected key=value, e.g. rl.lr=1e-4")
@@ -239,20 +274,13 @@ def parse_overrides(items: list[str]) -> dict:
     return tree
 
 
-def _merge(base: dict, extra: dict) -> dict:
-    out = dict(base)
-    for k, v in extra.items():
-        out[k] = _merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
-    return out
-
-
 def load_config(preset: str = "default", overrides: list[str] | None = None) -> GyreConfig:
     """Preset YAML + dotted overrides → validated config. Raises ConfigError (one line)."""
     path = PRESET_DIR / f"{preset}.yaml"
     if not path.exists():
         raise ConfigError(f"preset: unknown preset '{preset}' (allowed: {', '.join(presets())})")
     tree = yaml.safe_load(path.read_text()) or {}
-    tree = _merge(tree, parse_overrides(overrides or []))
+    tree = apply_overrides(tree, overrides or [])
     tree["preset"] = preset
     try:
         return GyreConfig.model_validate(tree)

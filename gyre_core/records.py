@@ -69,6 +69,8 @@ class ExecutionRecord:
     invalid_actions: int = 0
     compactions: int = 0
     policy_version: int = 0       # version at dispatch
+    fork_of: str = ""             # a forked continuation: the execution it was copied from
+    fork_call: int = 0            # ... and how many of its first calls it shares with that execution
     t_start: float = 0.0
     t_end: float = 0.0
     calls: list[CallRecord] = field(default_factory=list)

@@ -293,11 +293,16 @@ def rollout(run_dir: str, step: int) -> str:
     eng = _engine_at(run, step)      # version n rolls out step n (on-policy)
     eng.reseed(cfg.run.seed * 1_000_003 + step)
     specs = []
+    rng = random.Random(cfg.run.seed * 1_000_003 + step)
     for b in range(ro.tasks_per_step):
         seed = cfg.env.train_seed_start + step * ro.tasks_per_step + b
-        for g in range(ro.group_size):
-            specs.append(ExecutionSpec(run.run_id, step, f"{run.run_id}/s{step}/t{b}/g{g}", f"seed{seed}", seed,
-                                       "train", step))
+        group = [ExecutionSpec(run.run_id, step, f"{run.run_id}/s{step}/t{b}/g{g}", f"seed{seed}", seed, "train", step)
+                 for g in range(ro.group_size)]
+        if ro.fork_k > 1:   # branching rollouts: every fork_k-th execution is a root, the rest its forks
+            for r in range(0, ro.group_size, ro.fork_k):
+                group[r].fork_turn = rng.randint(*ro.fork_turns)
+                group[r].forks = group[r + 1:r + ro.fork_k]
+        specs += group
     with phase(f"step {step}: rollout", len(specs)) as tick:
         records = _run_policy(run, specs, EnginePolicy(eng, ro.temperature), lambda r: tick())
     from .processor.batch import reward_of
@@ -353,21 +358,37 @@ def process(run_dir: str, step: int) -> str:
         return m["batch"]
     import torch
 
-    from .processor.batch import build_batch
+    from .lake.schema import train_tokens_table
+    from .processor.batch import TrainBatch, build_batch
 
     t0 = time.time()
+    pc = run.cfg.processor
     records = _read_records(run, f"step={step}")
     sc = _lake(run).read("scores", run.run_id, f"score={step}").to_pylist()
     adv = {s["execution_id"]: s["advantage"] for s in sc if not s["excluded"]}
-    batch = build_batch(records, adv)
-    from .lake.schema import train_tokens_table
+    tables, extra = {}, {}
+    if pc.mode == "tree":
+        from .processor.credit import CreditConfig
+        from .processor.pruning import PruneConfig
+        from .processor.sampling import SamplingConfig, batch_tables, tree_batch
 
-    table = train_tokens_table({
+        rewards = {s["execution_id"]: s["reward"] for s in sc if not s["excluded"]}
+        tb = tree_batch(records, adv, rewards,
+                        sampling=SamplingConfig(j_max=pc.j_max, token_budget=pc.token_budget, weighting=pc.weighting,
+                                                role_order=tuple(pc.role_order), seed=run.cfg.run.seed * 7919 + step),
+                        credit=CreditConfig(mode=pc.credit, shrink_k=pc.shrink_k),
+                        prune=PruneConfig(pc.prune_repeats, pc.prune_period) if pc.prune_repeats else None)
+        tables = batch_tables(run.run_id, step, tb, pc.weighting)
+        batch = TrainBatch(tb.sequences, tb.normaliser, tb.n_executions, tb.excluded)
+        extra = {"tokens_unique": tb.tokens_unique, "tokens_flat": tb.tokens_flat}
+    else:
+        batch = build_batch(records, adv)
+    tables["train_tokens"] = train_tokens_table({
         "run_id": run.run_id, "step": step, "execution_id": s.execution_id, "call_index": s.call_index,
         "advantage": next((a for a, w in zip(s.advantages, s.weights) if w), 0.0),
         "n_tokens": len(s.input_ids), "n_trainable": s.n_trainable, "weight": sum(s.weights)}
         for s in batch.sequences)
-    _lake(run).write_part(run.run_id, f"process={step}", {"train_tokens": table})
+    _lake(run).write_part(run.run_id, f"process={step}", tables)
     path = run.batch_path(step)
     tmp = path.with_suffix(".tmp")
     torch.save(batch, tmp)
@@ -375,7 +396,8 @@ def process(run_dir: str, step: int) -> str:
     return run.mark(f"process_{step:04d}", {
         "batch": str(path), "sequences": len(batch.sequences), "executions": batch.n_executions,
         "excluded": len(batch.excluded), "tokens_trained": sum(s.n_trainable for s in batch.sequences),
-        "tokens_total": sum(len(s.input_ids) for s in batch.sequences), "process_s": time.time() - t0})["batch"]
+        "tokens_total": sum(len(s.input_ids) for s in batch.sequences), "process_s": time.time() - t0,
+        **extra})["batch"]
 
 
 def _trainer(run: RunDir, version: int):

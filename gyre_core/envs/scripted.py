@@ -26,7 +26,7 @@ class ScriptedEnv:
     actions = ("forward", "back", "wait", "done")
 
     def __init__(self, length: int = 5, max_steps: int | None = None, crash_seeds: tuple[int, ...] = ()) -> None:
-        """`crash_seeds`: episodes whose third step raises (a sandbox dying), to test failure handling."""
+        """`crash_seeds`: episodes whose third step() call raises (a sandbox dying), to test failure handling."""
         if length < 1:
             raise ValueError(f"length must be >= 1, got {length}")
         self.name = f"corridor-{length}"
@@ -47,6 +47,9 @@ class ScriptedEnv:
 
     def step(self, action: str) -> StepResult:
         s = self._s
+        s["calls"] = s.get("calls", 0) + 1
+        if s["seed"] in self.crash_seeds and s["calls"] == 3:
+            raise RuntimeError(f"sandbox of episode {s['seed']} died")
         words = action.strip().lower().split()
         word = words[0] if words else ""
         if word not in self.actions:
@@ -54,8 +57,6 @@ class ScriptedEnv:
                               + ", ".join(self.actions), done=s["done"], valid=False)
         if s["done"]:
             return StepResult(self._observe(), done=True)
-        if s["seed"] in self.crash_seeds and s["steps"] == 2:
-            raise RuntimeError(f"sandbox of episode {s['seed']} died")
         s["steps"] += 1
         if word == "forward":
             s["pos"] += 1

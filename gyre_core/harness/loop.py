@@ -13,7 +13,8 @@ go on.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+import copy
+from dataclasses import dataclass, field
 from typing import Callable, Protocol
 
 from ..config import HarnessConfig
@@ -56,6 +57,8 @@ class ExecutionSpec:
     seed: int
     split: str
     policy_version: int = 0
+    fork_turn: int = 0            # after this many turns, continue `forks` from a copy of the state
+    forks: list["ExecutionSpec"] = field(default_factory=list)
 
 
 class Execution:
@@ -79,6 +82,22 @@ class Execution:
             return
         if len(self._prompt) + cfg.max_new_tokens > cfg.context_tokens:
             self._finish(STATUS_TOKEN_LIMIT)   # the first observation alone overflows the budget
+
+    def fork(self, spec: ExecutionSpec, make_env: Callable[[], object]) -> "Execution":
+        """A continuation from this execution's current state: the environment restored from a saved
+        copy, the same history and the same pending prompt. The first `fork_call` calls are shared."""
+        child = copy.copy(self)
+        env = make_env()
+        env.restore_state(self.env.save_state())
+        child.env = env
+        rec = self.record
+        child.record = copy.copy(rec)
+        child.record.execution_id = spec.execution_id
+        child.record.fork_of, child.record.fork_call = rec.execution_id, len(rec.calls)
+        child.record.calls = list(rec.calls)   # shared CallRecords: never mutated after delivery
+        child.record.t_start = time.time()
+        child._context_key = f"{spec.execution_id}/c{self._context_index}"
+        return child
 
     # -- context management -------------------------------------------------------------------
     def _open_context(self, user_text: str, role: str) -> None:
@@ -174,9 +193,11 @@ def run_executions(specs: list[ExecutionSpec], policy: Policy, cfg: HarnessConfi
                    on_finish: Callable[[ExecutionRecord], None] | None = None) -> list[ExecutionRecord]:
     """Run executions with at most `concurrency` live at once, batching their model calls.
 
-    Records come back in the order of `specs`. `on_finish` is called as each one ends (progress bars).
+    Records come back in the order of `specs` (fork children included: list them in `specs` too,
+    and in their parent's `forks`). `on_finish` is called as each one ends (progress bars).
     """
-    pending = list(enumerate(specs))[::-1]
+    children = {id(c) for s in specs for c in s.forks}
+    pending = [(i, s) for i, s in enumerate(specs) if id(s) not in children][::-1]
     live: list[tuple[int, Execution]] = []
     done: dict[int, ExecutionRecord] = {}
 
@@ -186,14 +207,26 @@ def run_executions(specs: list[ExecutionSpec], policy: Policy, cfg: HarnessConfi
         if on_finish:
             on_finish(ex.record)
 
+    index = {id(s): i for i, s in enumerate(specs)}
+    forks_due: dict[int, tuple[int, list[ExecutionSpec]]] = {}   # live index -> (turn, child specs)
+
     while pending or live:
         while pending and len(live) < concurrency:
             i, spec = pending.pop()
             ex = Execution(spec, make_env(), fmt, cfg, stop_texts)
+            if spec.forks:
+                forks_due[i] = (spec.fork_turn, spec.forks)
             if ex.finished:
                 retire(i, ex)
             else:
                 live.append((i, ex))
+        # forks: copy an execution's state at its fork turn; children share everything before it
+        for i, ex in list(live):
+            due = forks_due.get(i)
+            if due and ex.record.turns >= due[0]:
+                del forks_due[i]
+                for child in due[1]:
+                    live.append((index[id(child)], ex.fork(child, make_env)))
         if not live:      # everything pending failed to start
             continue
         calls = [ex.request() for _, ex in live]
@@ -204,6 +237,9 @@ def run_executions(specs: list[ExecutionSpec], policy: Policy, cfg: HarnessConfi
             key_before = ex._context_key
             ex.deliver(out, t0)
             if ex.finished:
+                if i in forks_due:   # ended before its fork turn: the children start afresh instead
+                    _, children = forks_due.pop(i)
+                    pending.extend((index[id(c)], c) for c in children)
                 retire(i, ex)
             else:
                 if ex._context_key != key_before:

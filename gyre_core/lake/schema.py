@@ -45,6 +45,8 @@ EXECUTIONS = pa.schema(
         ("t_end", pa.float64()),
         ("n_calls", pa.int32()),
         ("tokens_generated", pa.int64()),
+        ("fork_of", pa.string()),          # a forked continuation: the execution it was copied from
+        ("fork_call", pa.int32()),         # calls [0, fork_call) are shared with it (stored there once)
     ],
     metadata=_META,
 )
@@ -101,11 +103,119 @@ SCORES = pa.schema(
     metadata=_META,
 )
 
+# --- the tree processor's decisions (gyre_core.processor.tree / sampling / credit / pruning) ---------------
+
+# One row per prefix-tree node of a task (node 0 is the empty root). Tokens of a node are a span of the
+# source call's prompt + completion starting at depth `depth_start` (so the call's tokens at depths
+# [depth_start, depth_start + length) are this node). Credit: value = mean reward of the leaf
+# occurrences below (n_leaves of them), step_advantage = the tree term given to the node's tokens.
+TREE_NODES = pa.schema(
+    [
+        ("run_id", pa.string()),
+        ("step", pa.int64()),
+        ("task_id", pa.string()),
+        ("node_id", pa.int32()),
+        ("parent_id", pa.int32()),
+        ("depth_start", pa.int64()),
+        ("length", pa.int64()),
+        ("n_generated", pa.int64()),
+        ("source_execution_id", pa.string()),
+        ("source_call_index", pa.int32()),
+        ("n_leaves", pa.int64()),
+        ("value", pa.float64()),
+        ("step_advantage", pa.float64()),
+    ],
+    metadata=_META,
+)
+
+# One row per leaf (an end of context; exact duplicates merged with a multiplicity), and loop pruning.
+TREE_LEAVES = pa.schema(
+    [
+        ("run_id", pa.string()),
+        ("step", pa.int64()),
+        ("task_id", pa.string()),
+        ("leaf_id", pa.int32()),
+        ("node_id", pa.int32()),
+        ("depth", pa.int64()),
+        ("role", pa.string()),
+        ("context_index", pa.int32()),
+        ("multiplicity", pa.int32()),
+        ("execution_ids", pa.list_(pa.string())),
+        ("call_indexes", _IDS),
+        ("n_generated", pa.int64()),
+        ("prune_depth", pa.int64()),       # == depth when not pruned
+        ("prune_reason", pa.string()),
+    ],
+    metadata=_META,
+)
+
+# Every (execution, leaf) candidate of the sampler: selected or not, and why.
+TREE_PATHS = pa.schema(
+    [
+        ("run_id", pa.string()),
+        ("step", pa.int64()),
+        ("task_id", pa.string()),
+        ("execution_id", pa.string()),
+        ("leaf_id", pa.int32()),
+        ("call_index", pa.int32()),       # the execution's call that ends at the leaf
+        ("role", pa.string()),
+        ("selected", pa.bool_()),
+        ("rank", pa.int32()),             # order of selection within the execution (-1: not selected)
+        ("depth", pa.int64()),            # path length trained (after loop pruning)
+        ("covered_before", pa.int64()),   # depth already covered by the execution's earlier paths
+        ("new_tokens", pa.int64()),       # packed tokens it added (below the nearest selected ancestor)
+        ("uncovered_generated", pa.int64()),
+        ("probability", pa.float64()),    # draw probability when selected
+        ("n_weighted", pa.int64()),
+        ("token_weight", pa.float64()),
+        ("advantage", pa.float64()),      # the execution-level term
+        ("reason", pa.string()),
+    ],
+    metadata=_META,
+)
+
+# Per selected path, runs of tokens with the same node, provenance, weight and advantage: what each
+# token of the trained sequence got and why (trained / context / covered / pruned).
+TRAIN_SEGMENTS = pa.schema(
+    [
+        ("run_id", pa.string()),
+        ("step", pa.int64()),
+        ("execution_id", pa.string()),
+        ("call_index", pa.int32()),
+        ("rank", pa.int32()),
+        ("node_id", pa.int32()),
+        ("depth_start", pa.int64()),
+        ("depth_end", pa.int64()),
+        ("generated", pa.bool_()),
+        ("weight", pa.float64()),
+        ("advantage", pa.float64()),
+        ("status", pa.string()),
+    ],
+    metadata=_META,
+)
+
+# Executions left out of a step's training, the stage that left them out, and why.
+EXCLUSIONS = pa.schema(
+    [
+        ("run_id", pa.string()),
+        ("step", pa.int64()),
+        ("execution_id", pa.string()),
+        ("stage", pa.string()),
+        ("reason", pa.string()),
+    ],
+    metadata=_META,
+)
+
 SCHEMAS: dict[str, pa.Schema] = {
     "executions": EXECUTIONS,
     "calls": CALLS,
     "train_tokens": TRAIN_TOKENS,
     "scores": SCORES,
+    "tree_nodes": TREE_NODES,
+    "tree_leaves": TREE_LEAVES,
+    "tree_paths": TREE_PATHS,
+    "train_segments": TRAIN_SEGMENTS,
+    "exclusions": EXCLUSIONS,
 }
 
 _EXEC_FIELDS = [f.name for f in EXECUTIONS if f.name not in ("n_calls", "tokens_generated")]
@@ -121,7 +231,8 @@ def executions_table(records: list[ExecutionRecord]) -> pa.Table:
 
 def calls_table(records: list[ExecutionRecord]) -> pa.Table:
     """One row per model call, its prompt stored as (parent_call, prefix_len, new_prompt_ids)."""
-    rows = [(r, c) for r in records for c in r.calls]
+    # a fork's first `fork_call` calls are its parent's, stored once with the parent
+    rows = [(r, c) for r in records for c in r.calls[r.fork_call:]]
     for r, c in rows:
         _check_call(r, c)
     cols = {
@@ -179,7 +290,14 @@ def read_executions(executions: pa.Table, calls: pa.Table | None = None) -> list
     for row in executions.to_pylist():
         key = (row["run_id"], row["step"], row["execution_id"])
         rec = ExecutionRecord(**{name: row[name] for name in _EXEC_FIELDS})
-        rec.calls = _rebuild_calls(rec.execution_id, by_exec.pop(key, []))
+        own = by_exec.get(key, [])
+        if rec.fork_call:   # the shared calls live with the execution it was forked from
+            parent = sorted(by_exec.get((row["run_id"], row["step"], rec.fork_of), []), key=lambda r: r["call_index"])
+            if len(parent) < rec.fork_call and calls is not None:
+                raise ValueError(f"execution {rec.execution_id!r}: forked from {rec.fork_of!r}, whose first "
+                                 f"{rec.fork_call} calls are not in this read")
+            own = [dict(r, execution_id=rec.execution_id) for r in parent[:rec.fork_call]] + own
+        rec.calls = _rebuild_calls(rec.execution_id, own)
         out.append(rec)
     return out
 

@@ -5,6 +5,9 @@
         trainer.micro_step(chunk, batch.normaliser, objective="ppo", ...)
     trainer.optimizer_step()
 
+A micro-step takes plain sequences (padded rows) or packed trees from `packing.pack_branches` (one row
+each, trained through tree attention; the model is switched to it on the first packed micro-step).
+
 On this CPU machine DeepSpeed runs with `DS_ACCELERATOR=cpu` over gloo, the same code path that runs
 on GPUs over NCCL. Gradients accumulate across micro-steps; only `optimizer_step()` updates, so the
 update is identical however the batch is split.
@@ -17,6 +20,20 @@ import socket
 import torch
 
 from .losses import collate, nll_loss, ppo_clip_loss, token_logprobs
+
+
+def ensure_tree_attention(model) -> None:
+    """Packed trees need a tree attention implementation. sdpa/eager models switch to `gyre_tree` (which
+    is sdpa for plain batches); a model already on a `gyre_tree*` one keeps it; anything else is refused."""
+    from .tree_attention import NAMES, enable_tree_attention
+
+    impl = model.config._attn_implementation
+    if impl in NAMES.values():
+        return
+    if impl not in (None, "sdpa", "eager"):
+        raise ValueError(f"packed trees need tree attention; the model uses {impl!r} "
+                         "(load it with sdpa, or call tree_attention.enable_tree_attention(model))")
+    enable_tree_attention(model)
 
 
 def _free_port() -> int:
@@ -75,9 +92,9 @@ class Trainer:
         `last` marks the final micro-step of the batch (DeepSpeed reduces gradients on it). Returns sums
         over the micro-batch's scored tokens (divide by `tokens` for means).
         """
-        c = collate(seqs, self.pad_id)
+        c = self._collate(seqs)
         self.engine.set_gradient_accumulation_boundary(last)
-        out = self.engine(input_ids=c.input_ids, attention_mask=c.attention_mask, use_cache=False)
+        out = self.engine(**c.model_inputs())
         logp, entropy = token_logprobs(out.logits, c, temperature)
         if objective == "ppo":
             loss, stats = ppo_clip_loss(logp, c, clip_low, clip_high, normaliser)
@@ -98,13 +115,20 @@ class Trainer:
 
         Sums over scored tokens of the k3 estimate of KL(μ‖π) and of ratios outside the clip range.
         """
-        c = collate(seqs, self.pad_id)
-        out = self.engine(input_ids=c.input_ids, attention_mask=c.attention_mask, use_cache=False)
+        c = self._collate(seqs)
+        out = self.engine(**c.model_inputs())
         logp, _ = token_logprobs(out.logits, c, temperature)
         log_r = logp.double() - c.old_logprobs
         r = log_r.exp()
         return {"kl": ((r - 1) - log_r).sum().item(), "tokens": float(c.tgt.numel()),
                 "clipped": ((r < 1 - clip_low) | (r > 1 + clip_high)).double().sum().item()}
+
+    def _collate(self, seqs):
+        """Plain sequences, or packed trees (the model is switched to tree attention on first sight)."""
+        c = collate(seqs, self.pad_id)
+        if c.tree is not None:
+            ensure_tree_attention(self.model)
+        return c
 
     def optimizer_step(self) -> float:
         """Apply the accumulated gradient (clipped); returns the gradient norm before clipping."""

@@ -9,6 +9,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .packing import PackedTree
+
 
 @dataclass(slots=True)
 class Collated:
@@ -20,10 +22,25 @@ class Collated:
     old_logprobs: torch.Tensor   # [N]
     advantages: torch.Tensor     # [N]
     weights: torch.Tensor        # [N]
+    position_ids: torch.Tensor | None = None   # [1, T] depth in the tree (packed trees only)
+    tree: object | None = None   # tree_attention.TreeMask of the packed row (packed trees only)
+
+    def model_inputs(self) -> dict:
+        """Keyword arguments for the HF model: packed trees add depths and the tree for the attention."""
+        kw = {"input_ids": self.input_ids, "attention_mask": self.attention_mask, "use_cache": False}
+        if self.tree is not None:
+            kw.update(position_ids=self.position_ids, gyre_tree=self.tree)
+        return kw
 
 
 def collate(seqs, pad_id: int) -> Collated:
-    """Right-pad sequences and list every token that carries weight with where it is scored from."""
+    """Right-pad sequences and list every token that carries weight with where it is scored from.
+
+    `seqs` may instead be a list of `packing.PackedTree`: they are concatenated into one row (a forest:
+    every tree keeps its own roots), scored from each token's parent.
+    """
+    if seqs and isinstance(seqs[0], PackedTree):
+        return collate_packed(seqs)
     T = max(len(s.input_ids) for s in seqs)
     ids = torch.full((len(seqs), T), pad_id, dtype=torch.long)
     mask = torch.zeros((len(seqs), T), dtype=torch.long)
@@ -42,9 +59,34 @@ def collate(seqs, pad_id: int) -> Collated:
                     torch.tensor(adv, dtype=f64), torch.tensor(w, dtype=f64))
 
 
+def collate_packed(trees) -> Collated:
+    """One row holding the packed trees side by side; indices shift by each tree's offset."""
+    from .tree_attention import TreeMask
+
+    offs, off = [], 0
+    for t in trees:
+        offs.append(off)
+        off += t.n_tokens
+    cat = torch.cat
+    parent = cat([torch.where(t.parent >= 0, t.parent + o, -1) for t, o in zip(trees, offs)])
+    subtree_end = cat([t.subtree_end + o for t, o in zip(trees, offs)])
+    ids = cat([t.input_ids for t in trees])[None]
+    depth = cat([t.position_ids for t in trees])
+    src = cat([t.src + o for t, o in zip(trees, offs)])
+    # an all-ones 2-D mask: transformers then builds no N x N mask (and does not read the restarting
+    # position ids as separate packed sequences); the tree itself goes to the attention function
+    return Collated(ids, torch.ones_like(ids), torch.zeros_like(src), src, cat([t.tgt for t in trees]),
+                    cat([t.old_logprobs for t in trees]), cat([t.advantages for t in trees]),
+                    cat([t.weights for t in trees]), position_ids=depth[None],
+                    tree=TreeMask(parent, subtree_end, depth))
+
+
 def token_logprobs(logits: torch.Tensor, c: Collated, temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
     """Log-prob of each scored token under softmax(logits/T) at its scoring position, and the entropy there."""
-    picked = logits[c.row, c.src].float() / temperature          # [N, V]
+    picked = logits[c.row, c.src]                                # [N, V]
+    if picked.dtype != torch.float64:    # half/bf16 logits are upcast; a float64 model stays exact
+        picked = picked.float()
+    picked = picked / temperature
     logp_all = torch.log_softmax(picked, dim=-1)
     logp = logp_all.gather(-1, c.tgt[:, None]).squeeze(-1)
     entropy = -(logp_all.exp() * logp_all).sum(-1)

@@ -62,3 +62,10 @@ def test_cli_config_error_exits_2_and_writes_nothing(tmp_path):
     lines = [l for l in proc.stderr.splitlines() if l.strip()]
     assert lines == ["gyre: config error: rl.lr: Input should be greater than 0 (got 0)"]
     assert not out.exists() and not (tmp_path / "lake").exists()
+
+
+def test_a_dict_value_replaces_and_a_dotted_key_merges():
+    cfg = load_config("quick", ["env.kwargs={length: 4}"])
+    assert cfg.env.kwargs == {"length": 4}
+    cfg = load_config("quick", ["env.kwargs.max_steps=30"])
+    assert cfg.env.kwargs == {"level": "BabyAI-GoToLocal-v0", "max_steps": 30}

@@ -143,3 +143,41 @@ def test_a_scorer_exception_excludes_the_execution_with_its_reason(tok):
 
     r = _run(tok, HarnessConfig(max_turns=50, context_tokens=4096), make_env=lambda: NoScore(6), n=1)[0]
     assert r.status == "failed" and r.error == "score: KeyError: 'evaluator crashed'" and r.turns == 6
+
+
+def test_forks_continue_from_a_saved_state_and_share_their_prefix_in_the_lake(tok):
+    from gyre_core.lake.schema import calls_table, executions_table, read_executions
+
+    stop = tok.convert_tokens_to_ids(IM_END)
+    fmt = ChatFormat(tok)
+    root = ExecutionSpec("r", 0, "root", "t", 5, "train", fork_turn=2)
+    kids = [ExecutionSpec("r", 0, f"kid{j}", "t", 5, "train") for j in range(2)]
+    root.forks = kids
+    early = ExecutionSpec("r", 0, "early", "u", 6, "train", fork_turn=40)   # hits max_turns before it
+    late_kid = ExecutionSpec("r", 0, "late", "u", 6, "train")
+    early.forks = [late_kid]
+    specs = [root, *kids, early, late_kid]
+    class Wanderer(RandomPolicy):   # never says "done", so the root lives past its fork turn
+        def choose(self, env):
+            return self.rng.choice(["forward", "back", "wait"])
+
+    recs = run_executions(specs, Wanderer(tok, stop, seed=11), HarnessConfig(max_turns=12, context_tokens=4096),
+                          lambda: ScriptedEnv(length=6), fmt, {stop: IM_END}, concurrency=8)
+    by = {r.execution_id: r for r in recs}
+    for k in ("kid0", "kid1"):
+        kid = by[k]
+        assert (kid.fork_of, kid.fork_call) == ("root", 2)
+        assert kid.calls[:2] == by["root"].calls[:2]          # the same two calls, token for token
+        # the third prompt continues from the state at the fork: the same observation as the root saw
+        assert kid.calls[2].prompt_ids == by["root"].calls[2].prompt_ids
+    assert by["late"].fork_of == "" and by["late"].calls[0].prompt_ids == by["early"].calls[0].prompt_ids
+    # stored once: the kids' shared calls are not written again, and reading rebuilds them exactly
+    table = calls_table(recs)
+    stored = {(e, i) for e, i in zip(table.column("execution_id").to_pylist(), table.column("call_index").to_pylist())}
+    assert ("kid0", 0) not in stored and ("kid0", 2) in stored and ("root", 0) in stored
+    again = {r.execution_id: r for r in read_executions(executions_table(recs), table)}
+    for r in recs:
+        got = again[r.execution_id]
+        assert [c.prompt_ids for c in got.calls] == [c.prompt_ids for c in r.calls]
+        assert [c.completion_ids for c in got.calls] == [c.completion_ids for c in r.calls]
+        assert (got.fork_of, got.fork_call) == (r.fork_of, r.fork_call)
