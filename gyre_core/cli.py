@@ -3,6 +3,7 @@
     gyre train [--preset quick] [--set rl.lr=1e-4 ...] [--steps N] [--summary-json out.json]
     gyre sql "SELECT status, count(*) FROM executions GROUP BY 1" [--run RUN] [--format table|csv|json]
     gyre bench engine [--json]
+    gyre bench processor [--json] [--quick]
     gyre presets
 
 Config errors print one line naming the field and exit with code 2, before anything is written.
@@ -81,6 +82,10 @@ def cmd_bench(args) -> int:
         from bench.engine import bench_engine
 
         result = bench_engine()
+    elif args.what == "processor":
+        from bench.processor import bench_processor
+
+        result = bench_processor(quick=args.quick)
     else:
         print(f"gyre bench: unknown benchmark {args.what!r}", file=sys.stderr)
         return 2
@@ -106,8 +111,9 @@ def main(argv: list[str] | None = None) -> int:
     q.add_argument("--preset", default="default")
     q.set_defaults(fn=cmd_sql)
     b = sub.add_parser("bench", help="benchmarks that print figures")
-    b.add_argument("what", choices=("engine",))
-    b.add_argument("--json", action="store_true")
+    b.add_argument("what", choices=("engine", "processor"))
+    b.add_argument("--json", action="store_true", help="one line of JSON")
+    b.add_argument("--quick", action="store_true", help="fewer repetitions and a smaller workload")
     b.set_defaults(fn=cmd_bench)
     ps = sub.add_parser("presets", help="list config presets")
     ps.set_defaults(fn=lambda a: print("\n".join(__import__("gyre_core.config", fromlist=["presets"]).presets())) or 0)

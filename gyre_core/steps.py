@@ -444,7 +444,14 @@ def _train_step(run: RunDir, step: int, batch, t0: float) -> str:
     totals: dict[str, float] = {}
     first_epoch: dict[str, float] = {}
     seqs = batch.sequences
-    chunks = micro_batches(seqs, rl.micro_batch_tokens)
+    if cfg.processor.mode == "tree":   # every unique token forwarded and back-propagated once
+        from .trainer.packing import pack_branches, packing_stats
+
+        chunks = [[t] for t in pack_branches(seqs, max_tokens=rl.micro_batch_tokens)]
+        packing = packing_stats(seqs, [c[0] for c in chunks])
+    else:
+        chunks = micro_batches(seqs, rl.micro_batch_tokens)
+        packing = {}
     grad_norm = 0.0
     with phase(f"step {step}: train", rl.epochs * len(chunks)) as tick:
         for epoch in range(rl.epochs):
@@ -478,7 +485,8 @@ def _train_step(run: RunDir, step: int, batch, t0: float) -> str:
         "entropy": totals.get("entropy", 0.0) / n,
         "logprob_mismatch": first_epoch.get("logprob_mismatch", 0.0) / n0,
         "tokens_trained": first_epoch.get("tokens", 0.0), "grad_norm": grad_norm,
-        "staleness": 0, "train_s": time.time() - t0})["checkpoint"]
+        "staleness": 0, "train_s": time.time() - t0,
+        **{f"packing_{k}": v for k, v in packing.items()}})["checkpoint"]
 
 
 def publish(run_dir: str, step: int) -> str:
@@ -511,6 +519,7 @@ def step_metrics(run: RunDir, step: int) -> dict[str, float]:
         "train/clip_frac_in_update": tr.get("clip_frac_in_update", 0.0),
         "train/entropy": tr.get("entropy", 0.0), "train/logprob_mismatch": tr.get("logprob_mismatch", 0.0),
         "train/grad_norm": tr.get("grad_norm", 0.0), "train/staleness": tr.get("staleness", 0),
+        "tokens/packed_computed": tr.get("packing_tokens_computed", 0), "tokens/flat": tr.get("packing_tokens_flat", 0),
         "time/rollout_s": ro.get("rollout_s", 0.0), "time/score_s": sc.get("score_s", 0.0),
         "time/process_s": pr.get("process_s", 0.0), "time/train_s": tr.get("train_s", 0.0),
     }
