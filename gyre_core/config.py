@@ -80,6 +80,8 @@ class HarnessConfig(_Section):
     """Longest completion of one call."""
     wall_clock_s: float | None = None
     """Optional wall-clock limit of an execution (for real sandboxes; breaks determinism)."""
+    score_retries: int = Field(2, ge=0)
+    """An evaluator that raises is retried this many times; then the execution is excluded from training."""
 
 
 class RolloutConfig(_Section):
@@ -95,7 +97,12 @@ class RolloutConfig(_Section):
     """Branching rollouts: each of group_size / fork_k root executions forks into fork_k continuations
     (itself included) from a saved environment state; 1 turns forking off. Must divide group_size."""
     fork_turns: tuple[int, int] = (1, 8)
-    """Branching rollouts: the fork turn is drawn uniformly from this inclusive range."""
+    """Branching rollouts: the window (inclusive) of calls at which a root may fork."""
+    fork_at: Literal["uniform", "entropy"] = "uniform"
+    """`uniform`: fork at a call drawn uniformly from the window; `entropy`: at the first call in the window
+    whose first-token entropy reaches `fork_entropy` (at the window's end if none does)."""
+    fork_entropy: float = Field(1.0, ge=0)
+    """Branching rollouts with `fork_at: entropy`: the threshold, in nats."""
 
     @model_validator(mode="after")
     def _fork_divides_group(self):

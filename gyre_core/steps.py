@@ -300,8 +300,12 @@ def rollout(run_dir: str, step: int) -> str:
                  for g in range(ro.group_size)]
         if ro.fork_k > 1:   # branching rollouts: every fork_k-th execution is a root, the rest its forks
             for r in range(0, ro.group_size, ro.fork_k):
-                group[r].fork_turn = rng.randint(*ro.fork_turns)
-                group[r].forks = group[r + 1:r + ro.fork_k]
+                root = group[r]
+                root.forks = group[r + 1:r + ro.fork_k]
+                if ro.fork_at == "uniform":
+                    root.fork_turn = rng.randint(*ro.fork_turns)
+                else:
+                    (root.fork_turn, root.fork_until), root.fork_entropy = ro.fork_turns, ro.fork_entropy
         specs += group
     with phase(f"step {step}: rollout", len(specs)) as tick:
         records = _run_policy(run, specs, EnginePolicy(eng, ro.temperature), lambda r: tick())

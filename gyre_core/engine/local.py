@@ -38,6 +38,7 @@ class GenResult:
     completion_ids: list[int]  # includes the stop token when it stopped on one
     logprobs: list[float]      # behaviour log-prob of each token under softmax(logits / T) (T=1 for greedy)
     finish_reason: str         # "stop" | "length"
+    entropy: float = 0.0       # entropy (nats) of the first token's distribution: how unsure the policy was
 
 
 @dataclass(slots=True)
@@ -220,8 +221,11 @@ class LocalEngine:
         n_gen = torch.zeros(B, dtype=torch.long, device=dev)
         finish = torch.zeros(B, dtype=torch.bool, device=dev)  # stopped on a stop token
         toks, lps = [], []
+        first_entropy = None
         for step in range(int(max_new.max())):
             logp = torch.log_softmax(logits.float() / scale, dim=-1)
+            if first_entropy is None:
+                first_entropy = (-(logp.exp() * logp).sum(-1)).tolist()
             sampled = torch.multinomial(logp.exp(), 1, generator=gen).squeeze(1)
             tok = torch.where(greedy, logits.argmax(-1), sampled)
             toks.append(tok)
@@ -239,7 +243,7 @@ class LocalEngine:
         tok_m = torch.stack(toks, 1).tolist()
         lp_m = torch.stack(lps, 1).tolist()
         n_list, fin_list = n_gen.tolist(), finish.tolist()
-        results = [GenResult(tok_m[i][:n], lp_m[i][:n], "stop" if f else "length")
+        results = [GenResult(tok_m[i][:n], lp_m[i][:n], "stop" if f else "length", first_entropy[i])
                    for i, (n, f) in enumerate(zip(n_list, fin_list))]
         self._store(rows, results, big, Lc, D)
         self.stats["batches"] += 1

@@ -54,7 +54,8 @@ class Environment(Protocol):
     def reset(self, seed: int) -> str: ... # start episode `seed` (deterministic), return first observation
     def mission(self) -> str: ...          # the current episode's task text
     def step(self, action: str) -> StepResult: ...  # `action`: the decoded completion (may hold junk)
-    def score(self) -> Score: ...          # partial score of the current state
+    def score(self) -> Score | None: ...   # partial score of the state left behind; None: nothing to score
+    #                                      (reward 0); an exception is an evaluator failure (retried)
     def summary(self) -> str: ...          # compact progress text (used when the harness compacts)
 
 

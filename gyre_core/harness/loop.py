@@ -39,6 +39,7 @@ class Completion:
     logprobs: list[float]
     finish_reason: str
     version: int
+    entropy: float = 0.0     # of the first token's distribution (0 when the policy does not say)
 
 
 class Policy(Protocol):
@@ -57,8 +58,15 @@ class ExecutionSpec:
     seed: int
     split: str
     policy_version: int = 0
-    fork_turn: int = 0            # after this many turns, continue `forks` from a copy of the state
+    fork_turn: int = 0            # fork before call `fork_turn`: `forks` continue from a copy of the state
     forks: list["ExecutionSpec"] = field(default_factory=list)
+    fork_until: int = 0           # entropy forking: fork at the first call in [fork_turn, fork_until] whose
+    fork_entropy: float | None = None   # first-token entropy is ≥ fork_entropy (at fork_until regardless)
+
+    def fork_now(self, turn: int, entropy: float) -> bool:
+        if turn < self.fork_turn:
+            return False
+        return self.fork_entropy is None or entropy >= self.fork_entropy or turn >= self.fork_until
 
 
 class Execution:
@@ -165,13 +173,20 @@ class Execution:
 
     def _finish(self, status: str) -> None:
         self.record.status = status
-        try:
-            score = self.env.score()
-            self.record.success, self.record.partial = bool(score.success), float(score.partial)
-        except Exception as exc:
-            # an evaluator failure is not a zero: the execution is excluded from training, with why
+        attempts = self.cfg.score_retries + 1
+        for attempt in range(attempts):
+            try:
+                score = self.env.score()
+                break
+            except Exception as exc:
+                last = exc
+        else:
+            # an evaluator failure is not a zero: after the retries the execution is excluded, with why
             self.record.status = STATUS_FAILED
-            self.record.error = f"score: {type(exc).__name__}: {exc}"[:2000]
+            self.record.error = f"score failed after {attempts} attempts: {type(last).__name__}: {last}"[:2000]
+            return self._close()
+        if score is not None:   # nothing left to score: the placeholder reward 0 stands
+            self.record.success, self.record.partial = bool(score.success), float(score.partial)
         self._close()
 
     def _fail(self, exc: BaseException) -> None:
@@ -208,25 +223,18 @@ def run_executions(specs: list[ExecutionSpec], policy: Policy, cfg: HarnessConfi
             on_finish(ex.record)
 
     index = {id(s): i for i, s in enumerate(specs)}
-    forks_due: dict[int, tuple[int, list[ExecutionSpec]]] = {}   # live index -> (turn, child specs)
+    forks_due: dict[int, ExecutionSpec] = {}   # live index -> its spec, until it has forked
 
     while pending or live:
         while pending and len(live) < concurrency:
             i, spec = pending.pop()
             ex = Execution(spec, make_env(), fmt, cfg, stop_texts)
             if spec.forks:
-                forks_due[i] = (spec.fork_turn, spec.forks)
+                forks_due[i] = spec
             if ex.finished:
                 retire(i, ex)
             else:
                 live.append((i, ex))
-        # forks: copy an execution's state at its fork turn; children share everything before it
-        for i, ex in list(live):
-            due = forks_due.get(i)
-            if due and ex.record.turns >= due[0]:
-                del forks_due[i]
-                for child in due[1]:
-                    live.append((index[id(child)], ex.fork(child, make_env)))
         if not live:      # everything pending failed to start
             continue
         calls = [ex.request() for _, ex in live]
@@ -234,12 +242,17 @@ def run_executions(specs: list[ExecutionSpec], policy: Policy, cfg: HarnessConfi
         outs = policy.complete(calls)
         still: list[tuple[int, Execution]] = []
         for (i, ex), out in zip(live, outs):
+            due = forks_due.get(i)
+            if due is not None and due.fork_now(ex.record.turns, out.entropy):
+                # fork before this call is applied: the children share every earlier call and sample
+                # this decision again from a copy of the same state (the parent keeps its own sample)
+                del forks_due[i]
+                still.extend((index[id(c)], ex.fork(c, make_env)) for c in due.forks)
             key_before = ex._context_key
             ex.deliver(out, t0)
             if ex.finished:
                 if i in forks_due:   # ended before its fork turn: the children start afresh instead
-                    _, children = forks_due.pop(i)
-                    pending.extend((index[id(c)], c) for c in children)
+                    pending.extend((index[id(c)], c) for c in forks_due.pop(i).forks)
                 retire(i, ex)
             else:
                 if ex._context_key != key_before:

@@ -22,7 +22,7 @@ class EnginePolicy:
         reqs = [GenRequest(c.key, c.prompt_ids, c.max_new_tokens, self.temperature) for c in calls]
         outs = self.engine.generate(reqs)
         v = self.engine.version
-        return [Completion(o.completion_ids, o.logprobs, o.finish_reason, v) for o in outs]
+        return [Completion(o.completion_ids, o.logprobs, o.finish_reason, v, o.entropy) for o in outs]
 
     def release(self, key: str) -> None:
         self.engine.release(key)

@@ -228,3 +228,26 @@ def test_other_architectures_match_hf_generate(arch):
             assert r.completion_ids == hf_greedy(model, p, 4, [1])
         prompts = [p + r.completion_ids + rand_ids(rng, 6, 200) for p, r in zip(prompts, results)]
     assert engine.stats["prompt_tokens_reused"] > 0
+
+
+def test_first_token_entropy_is_that_of_the_sampling_distribution():
+    """The engine's entropy equals −Σ p log p of softmax(logits/T) from a fresh full forward."""
+    import torch
+
+    from gyre_core.engine import GenRequest, LocalEngine
+    from gyre_core.model import build_tiny_model, train_tokenizer
+
+    tok = train_tokenizer(["left right forward pickup the red ball"] * 10, vocab_size=280)
+    model = build_tiny_model(tok, hidden_size=32, num_layers=2, num_heads=2, num_kv_heads=1, ffn_size=64,
+                             max_positions=64, seed=3)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(20)   # a peaked, context-dependent distribution
+    eng = LocalEngine(model, [tok.eos_token_id or 0], seed=1)
+    prompts = [[5, 6, 7], [8, 9, 10, 11, 12]]
+    outs = eng.generate([GenRequest(f"k{i}", p, 2, temperature=0.7) for i, p in enumerate(prompts)])
+    for p, o in zip(prompts, outs):
+        with torch.no_grad():
+            logits = model(torch.tensor([p])).logits[0, -1].float() / 0.7
+        logp = torch.log_softmax(logits, -1)
+        assert o.entropy == pytest.approx(-(logp.exp() * logp).sum().item(), rel=1e-4, abs=1e-5)

@@ -136,13 +136,31 @@ def test_a_first_context_over_budget_stops_with_a_token_limit(tok):
     assert recs[0].status == "token_limit" and recs[0].turns == 0 and recs[0].partial == 0.0
 
 
-def test_a_scorer_exception_excludes_the_execution_with_its_reason(tok):
-    class NoScore(ScriptedEnv):
-        def score(self):
-            raise KeyError("evaluator crashed")
+def test_a_failing_evaluator_is_retried_then_the_execution_excluded_with_its_reason(tok):
+    class Flaky(ScriptedEnv):
+        failures = 0
 
-    r = _run(tok, HarnessConfig(max_turns=50, context_tokens=4096), make_env=lambda: NoScore(6), n=1)[0]
-    assert r.status == "failed" and r.error == "score: KeyError: 'evaluator crashed'" and r.turns == 6
+        def score(self):
+            if Flaky.failures < 2:
+                Flaky.failures += 1
+                raise KeyError("evaluator crashed")
+            return super().score()
+
+    r = _run(tok, HarnessConfig(max_turns=50, context_tokens=4096, score_retries=2), make_env=lambda: Flaky(6), n=1)[0]
+    assert r.status == "done" and r.success and r.partial == 1.0 and Flaky.failures == 2
+    Flaky.failures = 0
+    r = _run(tok, HarnessConfig(max_turns=50, context_tokens=4096, score_retries=1), make_env=lambda: Flaky(6), n=1)[0]
+    assert r.status == "failed" and r.turns == 6
+    assert r.error == "score failed after 2 attempts: KeyError: 'evaluator crashed'"
+
+
+def test_nothing_to_score_gets_the_placeholder_zero(tok):
+    class Blank(ScriptedEnv):
+        def score(self):
+            return None
+
+    r = _run(tok, HarnessConfig(max_turns=50, context_tokens=4096), make_env=lambda: Blank(6), n=1)[0]
+    assert r.status == "done" and not r.success and r.partial == 0.0 and r.error == ""
 
 
 def test_forks_continue_from_a_saved_state_and_share_their_prefix_in_the_lake(tok):
@@ -181,3 +199,34 @@ def test_forks_continue_from_a_saved_state_and_share_their_prefix_in_the_lake(to
         assert [c.prompt_ids for c in got.calls] == [c.prompt_ids for c in r.calls]
         assert [c.completion_ids for c in got.calls] == [c.completion_ids for c in r.calls]
         assert (got.fork_of, got.fork_call) == (r.fork_of, r.fork_call)
+
+
+def test_entropy_forking_forks_at_the_first_unsure_call_in_the_window(tok):
+    stop = tok.convert_tokens_to_ids(IM_END)
+
+    class Scripted:
+        """A fake model: 'forward' always; its first-token entropy is high only at call 3."""
+
+        def __init__(self):
+            self.ids = list(tok.encode("forward", add_special_tokens=False)) + [stop]
+
+        def complete(self, calls):
+            from gyre_core.harness.loop import Completion
+            return [Completion(self.ids, [0.0] * len(self.ids), "stop", 0,
+                               entropy=2.0 if c.execution.record.turns == 3 else 0.1) for c in calls]
+
+        def release(self, key):
+            pass
+
+    def run(threshold, window):
+        root = ExecutionSpec("r", 0, "root", "t", 1, "train", fork_turn=window[0], fork_until=window[1],
+                             fork_entropy=threshold)
+        kid = ExecutionSpec("r", 0, "kid", "t", 1, "train")
+        root.forks = [kid]
+        recs = run_executions([root, kid], Scripted(), HarnessConfig(max_turns=20, context_tokens=4096),
+                              lambda: ScriptedEnv(length=8), ChatFormat(tok), {stop: IM_END}, concurrency=4)
+        return recs[1]
+
+    assert run(1.0, (1, 6)).fork_call == 3     # the first unsure call
+    assert run(5.0, (1, 6)).fork_call == 6     # none reaches 5 nats: the window's end
+    assert run(1.0, (4, 6)).fork_call == 6     # the unsure call came before the window
