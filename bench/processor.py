@@ -30,14 +30,14 @@ from gyre_core.processor.sampling import SamplingConfig, tree_batch
 from gyre_core.trainer.packing import pack_branches, packing_stats
 
 
-def babyai_branching(tasks: int = 3, G: int = 8, K: int = 8, fork_turns=(3, 8), eps: float = 0.5,
+def babyai_branching(tasks: int = 3, G: int = 8, K: int = 2, depth: int = 3, fork_turns=(2, 4), eps: float = 0.5,
                      level: str = "BabyAI-GoToLocal-v0", max_turns: int = 48, context_tokens: int = 2048,
                      seed: int = 0):
     """Real TITO records from the default environment with forks on."""
     from gyre_core.config import HarnessConfig
     from gyre_core.envs import load_env
     from gyre_core.harness.conversation import ChatFormat
-    from gyre_core.harness.loop import ExecutionSpec, run_executions
+    from gyre_core.harness.loop import ExecutionSpec, fork_tree, run_executions
     from gyre_core.harness.policies import ExpertPolicy
     from gyre_core.model import IM_END, train_tokenizer
 
@@ -56,13 +56,11 @@ def babyai_branching(tasks: int = 3, G: int = 8, K: int = 8, fork_turns=(3, 8), 
     specs = []
     for b in range(tasks):
         group = [ExecutionSpec("bench", 0, f"t{b}/g{g}", f"seed{b}", 10_000 + b, "train") for g in range(G)]
-        for r in range(0, G, K):
-            group[r].fork_turn = rng.randint(*fork_turns)
-            group[r].forks = group[r + 1:r + K]
+        fork_tree(group, K, depth, fork_turns, rng)
         specs += group
     recs = run_executions(specs, EpsExpert(tok, stop), HarnessConfig(max_turns=max_turns, context_tokens=context_tokens),
                           make_env, ChatFormat(tok), {stop: IM_END}, concurrency=64)
-    config = dict(level=level, tasks=tasks, G=G, fork_k=K, fork_turns=list(fork_turns), eps=eps,
+    config = dict(level=level, tasks=tasks, G=G, fork_k=K, fork_depth=depth, fork_turns=list(fork_turns), eps=eps,
                   max_turns=max_turns, context_tokens=context_tokens)
     return recs, config
 

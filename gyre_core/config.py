@@ -96,8 +96,12 @@ class RolloutConfig(_Section):
     fork_k: int = Field(1, gt=0)
     """Branching rollouts: each of group_size / fork_k root executions forks into fork_k continuations
     (itself included) from a saved environment state; 1 turns forking off. Must divide group_size."""
+    fork_depth: int = Field(1, ge=1)
+    """Branching rollouts: levels of forking (each continuation forks again later); group_size must be a
+    multiple of fork_k ** fork_depth."""
     fork_turns: tuple[int, int] = (1, 8)
-    """Branching rollouts: the window (inclusive) of calls at which a root may fork."""
+    """Branching rollouts: the window (inclusive) of calls at which a root may fork; a deeper level forks
+    that many calls after its parent's fork."""
     fork_at: Literal["uniform", "entropy"] = "uniform"
     """`uniform`: fork at a call drawn uniformly from the window; `entropy`: at the first call in the window
     whose first-token entropy reaches `fork_entropy` (at the window's end if none does)."""
@@ -106,8 +110,9 @@ class RolloutConfig(_Section):
 
     @model_validator(mode="after")
     def _fork_divides_group(self):
-        if self.group_size % self.fork_k:
-            raise ValueError(f"rollout.fork_k: {self.fork_k} must divide rollout.group_size ({self.group_size})")
+        if self.group_size % (self.fork_k ** self.fork_depth):
+            raise ValueError(f"rollout.fork_k: fork_k ** fork_depth ({self.fork_k ** self.fork_depth}) must divide "
+                             f"rollout.group_size ({self.group_size})")
         if not 1 <= self.fork_turns[0] <= self.fork_turns[1]:
             raise ValueError(f"rollout.fork_turns: need 1 ≤ low ≤ high, got {list(self.fork_turns)}")
         return self

@@ -285,7 +285,7 @@ def rollout(run_dir: str, step: int) -> str:
     part = f"step={step}"
     if (m := run.done(f"rollout_{step:04d}")) is not None:
         return m["part"]
-    from .harness.loop import ExecutionSpec
+    from .harness.loop import ExecutionSpec, fork_tree
     from .harness.policies import EnginePolicy
 
     cfg, t0 = run.cfg, time.time()
@@ -298,14 +298,9 @@ def rollout(run_dir: str, step: int) -> str:
         seed = cfg.env.train_seed_start + step * ro.tasks_per_step + b
         group = [ExecutionSpec(run.run_id, step, f"{run.run_id}/s{step}/t{b}/g{g}", f"seed{seed}", seed, "train", step)
                  for g in range(ro.group_size)]
-        if ro.fork_k > 1:   # branching rollouts: every fork_k-th execution is a root, the rest its forks
-            for r in range(0, ro.group_size, ro.fork_k):
-                root = group[r]
-                root.forks = group[r + 1:r + ro.fork_k]
-                if ro.fork_at == "uniform":
-                    root.fork_turn = rng.randint(*ro.fork_turns)
-                else:
-                    (root.fork_turn, root.fork_until), root.fork_entropy = ro.fork_turns, ro.fork_entropy
+        if ro.fork_k > 1:   # branching rollouts: trees of forks from saved environment states
+            fork_tree(group, ro.fork_k, ro.fork_depth, ro.fork_turns, rng,
+                      ro.fork_entropy if ro.fork_at == "entropy" else None)
         specs += group
     with phase(f"step {step}: rollout", len(specs)) as tick:
         records = _run_policy(run, specs, EnginePolicy(eng, ro.temperature), lambda r: tick())

@@ -50,6 +50,25 @@ class Policy(Protocol):
 
 
 @dataclass(slots=True)
+class ForkEvent:
+    """Before call `turn`, continue `children` from a copy of the state (they share every earlier call).
+
+    With `entropy` set, fork instead at the first call in [turn, until] whose first-token entropy (how
+    unsure the policy was) reaches it, and at `until` if none does.
+    """
+
+    turn: int
+    children: list["ExecutionSpec"]
+    until: int = 0
+    entropy: float | None = None
+
+    def due(self, turn: int, entropy: float) -> bool:
+        if turn < self.turn:
+            return False
+        return self.entropy is None or entropy >= self.entropy or turn >= self.until
+
+
+@dataclass(slots=True)
 class ExecutionSpec:
     run_id: str
     step: int
@@ -58,15 +77,30 @@ class ExecutionSpec:
     seed: int
     split: str
     policy_version: int = 0
-    fork_turn: int = 0            # fork before call `fork_turn`: `forks` continue from a copy of the state
-    forks: list["ExecutionSpec"] = field(default_factory=list)
-    fork_until: int = 0           # entropy forking: fork at the first call in [fork_turn, fork_until] whose
-    fork_entropy: float | None = None   # first-token entropy is ≥ fork_entropy (at fork_until regardless)
+    forks: list[ForkEvent] = field(default_factory=list)   # in call order
 
-    def fork_now(self, turn: int, entropy: float) -> bool:
-        if turn < self.fork_turn:
-            return False
-        return self.fork_entropy is None or entropy >= self.fork_entropy or turn >= self.fork_until
+
+def fork_tree(group: list[ExecutionSpec], k: int, depth: int, window: tuple[int, int], rng,
+              entropy: float | None = None) -> None:
+    """Arrange a task's executions as trees of forks: each block of k**depth executions has one root;
+    at each of `depth` levels every member so far forks k−1 new continuations. Level d forks between
+    `window` calls after level d−1 (uniformly; or, with `entropy`, at the first unsure call there)."""
+    size = k ** depth
+    for start in range(0, len(group), size):
+        members, turn_of = [group[start]], {id(group[start]): 0}
+        nxt = start + 1
+        for _ in range(depth):
+            for m in list(members):
+                kids = group[nxt:nxt + k - 1]
+                nxt += k - 1
+                lo = turn_of[id(m)] + window[0]
+                hi = turn_of[id(m)] + window[1]
+                t = lo if entropy is not None else rng.randint(lo, hi)
+                m.forks.append(ForkEvent(t, kids, hi, entropy))
+                for c in kids:
+                    turn_of[id(c)] = hi if entropy is not None else t
+                turn_of[id(m)] = hi if entropy is not None else t
+                members += kids
 
 
 class Execution:
@@ -211,7 +245,7 @@ def run_executions(specs: list[ExecutionSpec], policy: Policy, cfg: HarnessConfi
     Records come back in the order of `specs` (fork children included: list them in `specs` too,
     and in their parent's `forks`). `on_finish` is called as each one ends (progress bars).
     """
-    children = {id(c) for s in specs for c in s.forks}
+    children = {id(c) for s in specs for ev in s.forks for c in ev.children}
     pending = [(i, s) for i, s in enumerate(specs) if id(s) not in children][::-1]
     live: list[tuple[int, Execution]] = []
     done: dict[int, ExecutionRecord] = {}
@@ -223,14 +257,14 @@ def run_executions(specs: list[ExecutionSpec], policy: Policy, cfg: HarnessConfi
             on_finish(ex.record)
 
     index = {id(s): i for i, s in enumerate(specs)}
-    forks_due: dict[int, ExecutionSpec] = {}   # live index -> its spec, until it has forked
+    forks_due: dict[int, list[ForkEvent]] = {}   # live index -> its fork events still to come
 
     while pending or live:
         while pending and len(live) < concurrency:
             i, spec = pending.pop()
             ex = Execution(spec, make_env(), fmt, cfg, stop_texts)
             if spec.forks:
-                forks_due[i] = spec
+                forks_due[i] = list(spec.forks)
             if ex.finished:
                 retire(i, ex)
             else:
@@ -242,17 +276,19 @@ def run_executions(specs: list[ExecutionSpec], policy: Policy, cfg: HarnessConfi
         outs = policy.complete(calls)
         still: list[tuple[int, Execution]] = []
         for (i, ex), out in zip(live, outs):
-            due = forks_due.get(i)
-            if due is not None and due.fork_now(ex.record.turns, out.entropy):
+            events = forks_due.get(i)
+            if events and events[0].due(ex.record.turns, out.entropy):
                 # fork before this call is applied: the children share every earlier call and sample
                 # this decision again from a copy of the same state (the parent keeps its own sample)
-                del forks_due[i]
-                still.extend((index[id(c)], ex.fork(c, make_env)) for c in due.forks)
+                for c in events.pop(0).children:
+                    still.append((index[id(c)], ex.fork(c, make_env)))
+                    if c.forks:
+                        forks_due[index[id(c)]] = list(c.forks)
             key_before = ex._context_key
             ex.deliver(out, t0)
             if ex.finished:
-                if i in forks_due:   # ended before its fork turn: the children start afresh instead
-                    pending.extend((index[id(c)], c) for c in forks_due.pop(i).forks)
+                for ev in forks_due.pop(i, []):   # ended before a fork: those children start afresh
+                    pending.extend((index[id(c)], c) for c in ev.children)
                 retire(i, ex)
             else:
                 if ex._context_key != key_before:

@@ -286,18 +286,28 @@ def read_executions(executions: pa.Table, calls: pa.Table | None = None) -> list
     if calls is not None:
         for row in calls.to_pylist():
             by_exec[(row["run_id"], row["step"], row["execution_id"])].append(row)
+    rows = executions.to_pylist()
+    forked = {(r["run_id"], r["step"], r["execution_id"]): (r["fork_of"], r["fork_call"]) for r in rows}
+    full: dict[tuple[str, int, str], list[dict[str, Any]]] = {}
+
+    def all_calls(key) -> list[dict[str, Any]]:
+        """An execution's call rows, a fork's shared ones taken (recursively) from what it was forked from."""
+        if key not in full:
+            own = sorted(by_exec.get(key, []), key=lambda r: r["call_index"])
+            fork_of, fork_call = forked.get(key, ("", 0))
+            if fork_call:
+                parent = all_calls((key[0], key[1], fork_of))
+                if len(parent) < fork_call and calls is not None:
+                    raise ValueError(f"execution {key[2]!r}: forked from {fork_of!r}, whose first "
+                                     f"{fork_call} calls are not in this read")
+                own = [dict(r, execution_id=key[2]) for r in parent[:fork_call]] + own
+            full[key] = own
+        return full[key]
+
     out = []
-    for row in executions.to_pylist():
-        key = (row["run_id"], row["step"], row["execution_id"])
+    for row in rows:
         rec = ExecutionRecord(**{name: row[name] for name in _EXEC_FIELDS})
-        own = by_exec.get(key, [])
-        if rec.fork_call:   # the shared calls live with the execution it was forked from
-            parent = sorted(by_exec.get((row["run_id"], row["step"], rec.fork_of), []), key=lambda r: r["call_index"])
-            if len(parent) < rec.fork_call and calls is not None:
-                raise ValueError(f"execution {rec.execution_id!r}: forked from {rec.fork_of!r}, whose first "
-                                 f"{rec.fork_call} calls are not in this read")
-            own = [dict(r, execution_id=rec.execution_id) for r in parent[:rec.fork_call]] + own
-        rec.calls = _rebuild_calls(rec.execution_id, own)
+        rec.calls = _rebuild_calls(rec.execution_id, list(all_calls((row["run_id"], row["step"], row["execution_id"]))))
         out.append(rec)
     return out
 

@@ -5,7 +5,7 @@ import pytest
 from gyre_core.config import HarnessConfig
 from gyre_core.envs.scripted import ScriptedEnv
 from gyre_core.harness.conversation import ChatFormat
-from gyre_core.harness.loop import ExecutionSpec, run_executions
+from gyre_core.harness.loop import ExecutionSpec, ForkEvent, fork_tree, run_executions
 from gyre_core.harness.policies import ExpertPolicy, RandomPolicy
 from gyre_core.model import IM_END, train_tokenizer
 
@@ -168,12 +168,10 @@ def test_forks_continue_from_a_saved_state_and_share_their_prefix_in_the_lake(to
 
     stop = tok.convert_tokens_to_ids(IM_END)
     fmt = ChatFormat(tok)
-    root = ExecutionSpec("r", 0, "root", "t", 5, "train", fork_turn=2)
     kids = [ExecutionSpec("r", 0, f"kid{j}", "t", 5, "train") for j in range(2)]
-    root.forks = kids
-    early = ExecutionSpec("r", 0, "early", "u", 6, "train", fork_turn=40)   # hits max_turns before it
+    root = ExecutionSpec("r", 0, "root", "t", 5, "train", forks=[ForkEvent(2, kids)])
     late_kid = ExecutionSpec("r", 0, "late", "u", 6, "train")
-    early.forks = [late_kid]
+    early = ExecutionSpec("r", 0, "early", "u", 6, "train", forks=[ForkEvent(40, [late_kid])])   # hits max_turns first
     specs = [root, *kids, early, late_kid]
     class Wanderer(RandomPolicy):   # never says "done", so the root lives past its fork turn
         def choose(self, env):
@@ -219,10 +217,9 @@ def test_entropy_forking_forks_at_the_first_unsure_call_in_the_window(tok):
             pass
 
     def run(threshold, window):
-        root = ExecutionSpec("r", 0, "root", "t", 1, "train", fork_turn=window[0], fork_until=window[1],
-                             fork_entropy=threshold)
         kid = ExecutionSpec("r", 0, "kid", "t", 1, "train")
-        root.forks = [kid]
+        root = ExecutionSpec("r", 0, "root", "t", 1, "train",
+                             forks=[ForkEvent(window[0], [kid], until=window[1], entropy=threshold)])
         recs = run_executions([root, kid], Scripted(), HarnessConfig(max_turns=20, context_tokens=4096),
                               lambda: ScriptedEnv(length=8), ChatFormat(tok), {stop: IM_END}, concurrency=4)
         return recs[1]
@@ -230,3 +227,31 @@ def test_entropy_forking_forks_at_the_first_unsure_call_in_the_window(tok):
     assert run(1.0, (1, 6)).fork_call == 3     # the first unsure call
     assert run(5.0, (1, 6)).fork_call == 6     # none reaches 5 nats: the window's end
     assert run(1.0, (4, 6)).fork_call == 6     # the unsure call came before the window
+
+
+def test_fork_trees_nest_and_the_lake_rebuilds_every_level(tok):
+    import random
+
+    from gyre_core.lake.schema import calls_table, executions_table, read_executions
+
+    stop = tok.convert_tokens_to_ids(IM_END)
+
+    class Wanderer(RandomPolicy):
+        def choose(self, env):
+            return self.rng.choice(["forward", "back", "wait"])
+
+    group = [ExecutionSpec("r", 0, f"g{i}", "t", 3, "train") for i in range(8)]
+    fork_tree(group, k=2, depth=3, window=(2, 3), rng=random.Random(0))
+    # one root; 3 levels of binary forks: the root forks three times, each child once per later level
+    assert [len(s.forks) for s in group] == [3, 2, 1, 1, 0, 0, 0, 0]
+    recs = run_executions(group, Wanderer(tok, stop, seed=5), HarnessConfig(max_turns=14, context_tokens=4096),
+                          lambda: ScriptedEnv(length=30), ChatFormat(tok), {stop: IM_END}, concurrency=8)
+    by = {r.execution_id: r for r in recs}
+    forked = [r for r in recs if r.fork_of]
+    assert len(forked) == 7 and any(by[r.fork_of].fork_of for r in forked)   # forks of forks happened
+    for r in forked:
+        assert r.calls[:r.fork_call] == by[r.fork_of].calls[:r.fork_call]
+    again = {r.execution_id: r for r in read_executions(executions_table(recs), calls_table(recs))}
+    for r in recs:
+        assert [c.prompt_ids + c.completion_ids for c in again[r.execution_id].calls] == \
+            [c.prompt_ids + c.completion_ids for c in r.calls]

@@ -75,3 +75,18 @@ def test_corrupt_checkpoint_stops_a_resume_before_any_rollout(finished_run):
     finally:
         aside.rename(optim)
     assert steps.prepare(cfg) == run_dir    # the intact run resumes
+
+
+def test_model_path_takes_any_hf_directory(finished_run, tmp_path):
+    """A new run started from an existing HF model directory uses exactly its weights and tokenizer."""
+    from gyre_core.model import load_policy
+    from gyre_core.run import RunDir
+
+    tmp, cfg, run_dir = finished_run
+    src = RunDir.open(run_dir).warm
+    new = steps.prepare(_cfg(tmp_path, f"model.path={src}", "run.name=from-path"))
+    m_src, t_src = load_policy(str(src))
+    m_new, t_new = load_policy(str(RunDir.open(new).policy0))
+    assert t_new.get_vocab() == t_src.get_vocab() and t_new.chat_template == t_src.chat_template
+    for (k, a), b in zip(m_src.state_dict().items(), m_new.state_dict().values()):
+        assert a.equal(b), k
