@@ -78,6 +78,18 @@ def cmd_sql(args) -> int:
 
 
 def cmd_bench(args) -> int:
+    import contextlib
+
+    with contextlib.redirect_stdout(sys.stderr):   # libraries' chatter must not break the JSON on stdout
+        result = _run_bench(args)
+    if result is None:
+        print(f"gyre bench: unknown benchmark {args.what!r}", file=sys.stderr)
+        return 2
+    print(json.dumps(result, indent=None if args.json else 1))
+    return 0
+
+
+def _run_bench(args):
     if args.what == "engine":
         from bench.engine import bench_engine
 
@@ -87,10 +99,8 @@ def cmd_bench(args) -> int:
 
         result = bench_processor(quick=args.quick)
     else:
-        print(f"gyre bench: unknown benchmark {args.what!r}", file=sys.stderr)
-        return 2
-    print(json.dumps(result, indent=None if args.json else 1))
-    return 0
+        result = None
+    return result
 
 
 def main(argv: list[str] | None = None) -> int:
