@@ -77,7 +77,8 @@ class ExecutionRecord:
 
     @property
     def tokens_generated(self) -> int:
-        return sum(len(c.completion_ids) for c in self.calls)
+        """Tokens this execution generated itself (a fork's shared calls count with its parent)."""
+        return sum(len(c.completion_ids) for c in self.calls[self.fork_call:])
 
     @property
     def trainable(self) -> bool:

@@ -251,6 +251,9 @@ def test_fork_trees_nest_and_the_lake_rebuilds_every_level(tok):
     assert len(forked) == 7 and any(by[r.fork_of].fork_of for r in forked)   # forks of forks happened
     for r in forked:
         assert r.calls[:r.fork_call] == by[r.fork_of].calls[:r.fork_call]
+    # exact accounting: every generated token is counted once, by the execution that generated it
+    unique_calls = {id(c): c for r in recs for c in r.calls}
+    assert sum(r.tokens_generated for r in recs) == sum(len(c.completion_ids) for c in unique_calls.values())
     again = {r.execution_id: r for r in read_executions(executions_table(recs), calls_table(recs))}
     for r in recs:
         assert [c.prompt_ids + c.completion_ids for c in again[r.execution_id].calls] == \
