@@ -466,7 +466,7 @@ def _train_step(run: RunDir, step: int, batch, t0: float) -> str:
                 grad_norm = trainer.optimizer_step()
     # the update's size: KL and clip fraction of the new policy against the behaviour one, on a sample
     shift = {"kl": 0.0, "clipped": 0.0, "tokens": 0.0}
-    for chunk in chunks[::4]:
+    for chunk in (chunks if cfg.processor.mode == "tree" else chunks[::4]):   # packed: few, large chunks
         for key, v in trainer.policy_shift(chunk, temperature=cfg.rollout.temperature, clip_low=rl.clip_low,
                                            clip_high=rl.clip_high).items():
             shift[key] += v

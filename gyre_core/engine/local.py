@@ -225,7 +225,7 @@ class LocalEngine:
         for step in range(int(max_new.max())):
             logp = torch.log_softmax(logits.float() / scale, dim=-1)
             if first_entropy is None:
-                first_entropy = (-(logp.exp() * logp).sum(-1)).tolist()
+                first_entropy = torch.special.entr(logp.exp()).sum(-1).tolist()   # 0·log 0 = 0
             sampled = torch.multinomial(logp.exp(), 1, generator=gen).squeeze(1)
             tok = torch.where(greedy, logits.argmax(-1), sampled)
             toks.append(tok)

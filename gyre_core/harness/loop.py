@@ -86,6 +86,8 @@ def fork_tree(group: list[ExecutionSpec], k: int, depth: int, window: tuple[int,
     at each of `depth` levels every member so far forks k−1 new continuations. Level d forks between
     `window` calls after level d−1 (uniformly; or, with `entropy`, at the first unsure call there)."""
     size = k ** depth
+    if len(group) % size:
+        raise ValueError(f"fork_tree: {len(group)} executions are not whole trees of k**depth = {size}")
     for start in range(0, len(group), size):
         members, turn_of = [group[start]], {id(group[start]): 0}
         nxt = start + 1
@@ -243,7 +245,8 @@ def run_executions(specs: list[ExecutionSpec], policy: Policy, cfg: HarnessConfi
     """Run executions with at most `concurrency` live at once, batching their model calls.
 
     Records come back in the order of `specs` (fork children included: list them in `specs` too,
-    and in their parent's `forks`). `on_finish` is called as each one ends (progress bars).
+    and in their parent's `forks`). `on_finish` is called as each one ends (progress bars). Forked
+    children join the live set at once, so with forks up to `concurrency` roots × their trees run.
     """
     children = {id(c) for s in specs for ev in s.forks for c in ev.children}
     pending = [(i, s) for i, s in enumerate(specs) if id(s) not in children][::-1]
@@ -265,7 +268,9 @@ def run_executions(specs: list[ExecutionSpec], policy: Policy, cfg: HarnessConfi
             ex = Execution(spec, make_env(), fmt, cfg, stop_texts)
             if spec.forks:
                 forks_due[i] = list(spec.forks)
-            if ex.finished:
+            if ex.finished:   # could not even start: its fork children start afresh
+                for ev in forks_due.pop(i, []):
+                    pending.extend((index[id(c)], c) for c in ev.children)
                 retire(i, ex)
             else:
                 live.append((i, ex))

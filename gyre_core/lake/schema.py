@@ -296,8 +296,11 @@ def read_executions(executions: pa.Table, calls: pa.Table | None = None) -> list
             own = sorted(by_exec.get(key, []), key=lambda r: r["call_index"])
             fork_of, fork_call = forked.get(key, ("", 0))
             if fork_call:
-                parent = all_calls((key[0], key[1], fork_of))
-                if len(parent) < fork_call and calls is not None:
+                pkey = (key[0], key[1], fork_of)
+                if pkey not in forked and calls is not None:
+                    raise ValueError(f"execution {key[2]!r}: forked from {fork_of!r}, which is not in this read")
+                parent = all_calls(pkey)
+                if [r["call_index"] for r in parent[:fork_call]] != list(range(fork_call)) and calls is not None:
                     raise ValueError(f"execution {key[2]!r}: forked from {fork_of!r}, whose first "
                                      f"{fork_call} calls are not in this read")
                 own = [dict(r, execution_id=key[2]) for r in parent[:fork_call]] + own

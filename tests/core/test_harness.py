@@ -192,6 +192,9 @@ def test_forks_continue_from_a_saved_state_and_share_their_prefix_in_the_lake(to
     stored = {(e, i) for e, i in zip(table.column("execution_id").to_pylist(), table.column("call_index").to_pylist())}
     assert ("kid0", 0) not in stored and ("kid0", 2) in stored and ("root", 0) in stored
     again = {r.execution_id: r for r in read_executions(executions_table(recs), table)}
+    without_root = [r for r in recs if r.execution_id != "root"]
+    with pytest.raises(ValueError, match="forked from 'root', which is not in this read"):
+        read_executions(executions_table(without_root), table)
     for r in recs:
         got = again[r.execution_id]
         assert [c.prompt_ids for c in got.calls] == [c.prompt_ids for c in r.calls]
@@ -258,3 +261,26 @@ def test_fork_trees_nest_and_the_lake_rebuilds_every_level(tok):
     for r in recs:
         assert [c.prompt_ids + c.completion_ids for c in again[r.execution_id].calls] == \
             [c.prompt_ids + c.completion_ids for c in r.calls]
+
+
+def test_a_fork_root_that_cannot_start_lets_its_children_start_afresh(tok):
+    import random
+
+    class Dead(ScriptedEnv):
+        calls = 0
+
+        def reset(self, seed):
+            Dead.calls += 1
+            if Dead.calls == 1:
+                raise OSError("sandbox refused")
+            return super().reset(seed)
+
+    stop = tok.convert_tokens_to_ids(IM_END)
+    group = [ExecutionSpec("r", 0, f"g{i}", "t", 3, "train") for i in range(4)]
+    fork_tree(group, k=2, depth=2, window=(2, 3), rng=random.Random(0))
+    recs = run_executions(group, ExpertPolicy(tok, stop), HarnessConfig(max_turns=20, context_tokens=4096),
+                          lambda: Dead(6), ChatFormat(tok), {stop: IM_END}, concurrency=4)
+    assert [r.status for r in recs] == ["failed", "done", "done", "done"]
+    assert all(r.fork_of == "" or r.fork_of != "g0" for r in recs)
+    with pytest.raises(ValueError, match="not whole trees"):
+        fork_tree(group[:3], k=2, depth=2, window=(2, 3), rng=random.Random(0))
