@@ -321,16 +321,16 @@ def rollout(run_dir: str, step: int) -> str:
 
 
 def score(run_dir: str, step: int) -> dict:
-    """Rewards from the partial scores the executions left behind; group-relative advantages."""
+    """Group-relative advantages from the rewards rollout derived from what the executions left behind."""
     run = RunDir.open(run_dir)
     if (m := run.done(f"score_{step:04d}")) is not None:
         return m
-    from .processor.batch import group_advantages, reward_of
+    from .processor.batch import group_advantages
 
     t0 = time.time()
     ex = _lake(run).read("executions", run.run_id, f"step={step}").to_pylist()
     ok = [e for e in ex if e["status"] != "failed"]
-    rewards = {e["execution_id"]: reward_of(e["success"], e["partial"], run.cfg.rl.partial_reward) for e in ok}
+    rewards = {e["execution_id"]: e["reward"] for e in ok}   # set once, in rollout (reward_of)
     groups: dict[str, list[str]] = {}
     for e in ok:
         groups.setdefault(e["task_id"], []).append(e["execution_id"])
