@@ -1,4 +1,5 @@
-"""The RL loop, one screen: warm start → N × (rollout → score → process → train → publish) → evaluate.
+"""The RL loop, one screen: warm start → N × (rollout → score → process → train → publish) → evaluate,
+then the supervised-only control (the RL phase's wall time spent on more behaviour cloning) on the same seeds.
 
 Run it with `gyre train --preset quick` (which calls this flow), or from a Prefect deployment.
 Rerunning with the same parameters resumes: finished steps return from their completion markers.
@@ -28,4 +29,7 @@ def train(preset: str = "default", overrides: list[str] | None = None, steps: in
         rl.train(run_dir, step)
         rl.publish(run_dir, step)
     rl.evaluate(run_dir, "after")
+    if cfg.eval.control:
+        rl.control(run_dir)
+        rl.evaluate(run_dir, "control")
     return rl.summarize(run_dir, started_at)

@@ -146,6 +146,9 @@ class RLConfig(_Section):
     """Gradient-norm clip."""
     partial_reward: float = Field(0.1, ge=0, le=1)
     """Reward of a failed or timed-out execution = this × its partial-progress score (success = 1)."""
+    negative_scale: float = Field(1.0, ge=0, le=1)
+    """Weight of negative advantages in the loss (1: plain PPO; 0: reinforce only executions that beat
+    their group's mean)."""
     advantage_norm: Literal["none", "std"] = "none"
     """Divide group-relative advantages by the group's reward std (`std`) or not."""
 
@@ -178,6 +181,10 @@ class EvalConfig(_Section):
     """Held-out episodes (the first of the same seeds) for the greedy policy reported beside; 0 skips it."""
     random_baseline: bool = True
     """Also report a uniform-random policy on the same seeds."""
+    control: bool = True
+    """After RL, run the supervised-only control: from the warm start, behaviour cloning for the RL
+    phase's wall time, on the warm start's demonstrations plus expert runs of the RL tasks; evaluated
+    on the same held-out seeds."""
 
 
 class LakeConfig(_Section):

@@ -16,6 +16,7 @@ def summarize(run_dir: str, started_at: float | None = None) -> dict:
 
     run = RunDir.open(run_dir)
     before, after = run.done("eval_before") or {}, run.done("eval_after") or {}
+    ctrl, ctrl_eval = run.done("control") or {}, run.done("eval_control") or {}
     steps = latest_version(run)
     per_step = [run.done(f"publish_{v:04d}")["metrics"] for v in range(1, steps + 1)]
     ws = run.done("warm_start") or {}
@@ -36,19 +37,31 @@ def summarize(run_dir: str, started_at: float | None = None) -> dict:
     if summary["eval_paired"]:
         d = paired(EvalResult(**before["sampled"]), EvalResult(**after["sampled"]))
         summary.update(diff=d.mean, ci95_low=d.ci95_low, ci95_high=d.ci95_high)
+    if ctrl_eval.get("sampled"):   # the supervised-only control, on the same seeds
+        c = EvalResult(**ctrl_eval["sampled"])
+        summary["control"] = {**ev(ctrl_eval, "sampled"), "budget_s": ctrl.get("budget_s"),
+                              "wall_s": ctrl.get("wall_s"), "sft_steps": ctrl.get("sft_steps")}
+        if before.get("sampled"):
+            d = paired(EvalResult(**before["sampled"]), c)
+            summary["control"].update(diff=d.mean, ci95_low=d.ci95_low, ci95_high=d.ci95_high)
+        if after.get("sampled"):
+            d = paired(c, EvalResult(**after["sampled"]))
+            summary["rl_vs_control"] = {"diff": d.mean, "ci95_low": d.ci95_low, "ci95_high": d.ci95_high}
     rollouts = [run.done(f"rollout_{s:04d}") or {} for s in range(steps)]
-    summary["executions"] = sum(r.get("executions", 0) for r in rollouts) + ws.get("demos", 0) + sum(
-        (x.get(m) or {}).get("episodes", 0) for x in (before, after) for m in ("sampled", "greedy", "random"))
+    summary["executions"] = sum(r.get("executions", 0) for r in rollouts) + ws.get("demos", 0) + ctrl.get(
+        "demos", 0) + sum((x.get(m) or {}).get("episodes", 0) for x in (before, after, ctrl_eval)
+                          for m in ("sampled", "greedy", "random"))
     summary["tokens_generated"] = int(sum(r.get("tokens_generated", 0) for r in rollouts))
     summary["tokens_trained"] = int(sum(m.get("tokens/trained", 0) for m in per_step))
     phases = {
         "warm_start": ws.get("wall_s", 0.0),
-        "eval": before.get("wall_s", 0.0) + after.get("wall_s", 0.0),
+        "eval": before.get("wall_s", 0.0) + after.get("wall_s", 0.0) + ctrl_eval.get("wall_s", 0.0),
         "rollout": sum(m.get("time/rollout_s", 0.0) for m in per_step),
         "score": sum(m.get("time/score_s", 0.0) for m in per_step),
         "process": sum(m.get("time/process_s", 0.0) for m in per_step),
         "train": sum(m.get("time/train_s", 0.0) for m in per_step),
         "publish": sum(m.get("time/publish_s", 0.0) for m in per_step),
+        "control": ctrl.get("wall_s", 0.0),
     }
     summary["phase_s"] = phases
     summary["work_s"] = sum(phases.values())      # all phases, across resumed invocations
@@ -110,6 +123,14 @@ def render_summary(s: dict) -> None:
     t.add_row("mean partial score (sampled)", f"{s['eval_before']['partial'] or 0:.3f}", f"{s['eval_after']['partial'] or 0:.3f}")
     if "ci95_low" in s:
         t.add_row("paired difference, 95% CI", "", f"{100 * s['diff']:+.1f} [{100 * s['ci95_low']:+.1f}, {100 * s['ci95_high']:+.1f}]")
+    if "control" in s:
+        c = s["control"]
+        t.add_row(f"supervised-only control ({c['sft_steps']} steps, {c['wall_s']:.0f} s)", "",
+                  pct(c["success"]))
+        if "rl_vs_control" in s:
+            r = s["rl_vs_control"]
+            t.add_row("RL minus control, 95% CI", "",
+                      f"{100 * r['diff']:+.1f} [{100 * r['ci95_low']:+.1f}, {100 * r['ci95_high']:+.1f}]")
     t.add_row("uniform-random policy", pct(s["eval_random"]["success"]), "")
     t.add_row("held-out episodes (paired)", str(s["eval_episodes"]), "yes" if s["eval_paired"] else "no")
     t.add_row("RL steps / executions run", "", f"{s['rl_steps']} / {s['executions']}")

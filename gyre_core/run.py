@@ -86,12 +86,18 @@ class RunDir:
         return self.path / "warm"
 
     @property
+    def control(self) -> Path:
+        return self.path / "control"
+
+    @property
     def ckpt(self) -> Path:
         return self.path / "ckpt"
 
-    def weights_uri(self, version: int) -> str:
+    def weights_uri(self, version: int | str) -> str:
+        """Published weights of RL policy `version` (an int), or of a named side policy ("control")."""
         root = self.cfg.trainer.publish_root or str(self.path / "weights")
-        return f"{root.rstrip('/')}/v{version}.safetensors"
+        name = f"v{version}" if isinstance(version, int) else version
+        return f"{root.rstrip('/')}/{name}.safetensors"
 
     def batch_path(self, step: int) -> Path:
         return self.path / "batches" / f"step-{step:04d}.pt"

@@ -66,7 +66,8 @@ def _engine_at(run: RunDir, version: int):
 
     eng = _policy(run)[0]
     if eng.version != version:
-        eng.set_weights(load_weights(run.weights_uri(version)), version)
+        uri = run.weights_uri("control" if version == CONTROL_VERSION else version)
+        eng.set_weights(load_weights(uri), version)
     return eng
 
 
@@ -177,32 +178,60 @@ def warm_start(run_dir: str) -> str:
     run = RunDir.open(run_dir)
     if (m := run.done("warm_start")) is not None:
         return m["path"]
-    from .harness.loop import ExecutionSpec
-    from .harness.policies import ExpertPolicy
     from .model import load_policy, save_policy
-    from .processor.batch import build_batch, micro_batches
-    from .trainer.engine import Trainer
     from .trainer.publish import publish_weights
 
     cfg, t0 = run.cfg, time.time()
     ws = cfg.warmstart
     seeds = [cfg.env.train_seed_start + DEMO_SEED_OFFSET + i for i in range(ws.episodes)]  # apart from RL seeds
-    specs = [ExecutionSpec(run.run_id, -1, f"{run.run_id}/demo/{i}", f"seed{s}", s, "demo")
-             for i, s in enumerate(seeds)]
-    with phase("warm start: demonstrations", len(specs)) as tick:
-        records = _run_policy(run, specs, ExpertPolicy(_tokenizer(run), _stop_id(run)), lambda r: tick())
+    records = _demonstrations(run, seeds, "demo", "warm start: demonstrations")
     _write_records(run, "demos", records)
     good = [r for r in records if r.success]
-    batch = build_batch(good, {r.execution_id: 1.0 for r in good})
     model, tok = load_policy(str(run.policy0))
+    trainer, losses, n_seq = _supervised(run, model, tok, good, "warm start: supervised steps", n_steps=ws.steps)
+    save_policy(trainer.model, tok, str(run.warm))
+    uri = publish_weights(trainer.state_dict(), run.weights_uri(0))
+    return run.mark("warm_start", {"path": str(run.warm), "weights": uri, "demos": len(records),
+                                   "demo_success": len(good) / max(len(records), 1),
+                                   "sequences": n_seq, "sft_steps": len(losses),
+                                   "loss_first": losses[0] if losses else None,
+                                   "loss_last": losses[-1] if losses else None, "wall_s": time.time() - t0})["path"]
+
+
+def _demonstrations(run: RunDir, seeds: list[int], kind: str, label: str) -> list:
+    """One expert execution per seed (the expert is deterministic)."""
+    from .harness.loop import ExecutionSpec
+    from .harness.policies import ExpertPolicy
+
+    specs = [ExecutionSpec(run.run_id, -1, f"{run.run_id}/{kind}/{i}", f"seed{s}", s, kind)
+             for i, s in enumerate(seeds)]
+    with phase(label, len(specs)) as tick:
+        return _run_policy(run, specs, ExpertPolicy(_tokenizer(run), _stop_id(run)), lambda r: tick())
+
+
+def _supervised(run: RunDir, model, tok, records, label: str, n_steps: int | None = None,
+                budget_s: float | None = None, seed_offset: int = 0):
+    """Behaviour cloning on successful expert executions: batches of `warmstart.batch_size` sequences
+    sampled with replacement across steps, a per-token mean over each batch. Stops after `n_steps`
+    optimizer steps, or at the first step boundary once `budget_s` seconds have passed."""
+    from .processor.batch import build_batch, micro_batches
+    from .trainer.engine import Trainer
+
+    cfg, ws, t0 = run.cfg, run.cfg.warmstart, time.time()
+    batch = build_batch(records, {r.execution_id: 1.0 for r in records})
+    for s in batch.sequences:   # supervised: every generated token weighs 1
+        s.weights = [1.0 if w else 0.0 for w in s.weights]
     trainer = Trainer(model, lr=ws.lr, zero_stage=cfg.trainer.zero_stage, grad_clip=cfg.rl.grad_clip,
                       pad_id=tok.pad_token_id or 0)
-    for s in batch.sequences:   # supervised: a plain per-token mean over each sampled batch
-        s.weights = [1.0 if w else 0.0 for w in s.weights]
-    rng = random.Random(cfg.run.seed)
-    losses = []
-    with phase("warm start: supervised steps", ws.steps) as tick:
-        for _ in range(ws.steps):
+    rng = random.Random(cfg.run.seed + seed_offset)
+    losses: list[float] = []
+
+    def more() -> bool:
+        return len(losses) < n_steps if n_steps is not None else time.time() - t0 < budget_s
+
+    with phase(label + ("" if n_steps is not None else " (seconds of budget)"),
+               n_steps if n_steps is not None else int(budget_s)) as tick:
+        while batch.sequences and more():
             chunk = rng.sample(batch.sequences, min(ws.batch_size, len(batch.sequences)))
             n_tok = sum(s.n_trainable for s in chunk)
             parts = micro_batches(chunk, cfg.rl.micro_batch_tokens)
@@ -210,13 +239,56 @@ def warm_start(run_dir: str) -> str:
                        for k, p in enumerate(parts))
             trainer.optimizer_step()
             losses.append(loss)
-            tick(loss=loss)
-    save_policy(trainer.model, tok, str(run.warm))
-    uri = publish_weights(trainer.state_dict(), run.weights_uri(0))
-    return run.mark("warm_start", {"path": str(run.warm), "weights": uri, "demos": len(records),
-                                   "demo_success": len(good) / max(len(records), 1),
-                                   "sequences": len(batch.sequences), "loss_first": losses[0] if losses else None,
-                                   "loss_last": losses[-1] if losses else None, "wall_s": time.time() - t0})["path"]
+            tick(**({} if n_steps is not None else {"completed": time.time() - t0}), loss=loss)
+    return trainer, losses, len(batch.sequences)
+
+
+# ----------------------------------------------------------------------------------------------
+# the supervised-only control: the RL phase's wall time spent on more behaviour cloning instead
+
+
+CONTROL_VERSION = -3   # policy_version recorded for the control's evaluation (not on the RL lineage)
+
+
+def rl_wall_s(run: RunDir) -> float:
+    """Seconds the RL steps took (rollout, score, process, train, publish; all steps, across resumes)."""
+    total = 0.0
+    for v in range(1, latest_version(run) + 1):
+        m = run.done(f"publish_{v:04d}")["metrics"]
+        total += sum(m.get(f"time/{k}_s", 0.0) for k in ("rollout", "score", "process", "train", "publish"))
+    return total
+
+
+def control(run_dir: str, budget_s: float | None = None) -> dict:
+    """From the warm start, continue supervised training for exactly the RL phase's wall time
+    (or `budget_s` seconds, for ablations).
+
+    The control sees the same tasks RL trained on, labelled by the expert instead of rewarded: the
+    warm start's demonstrations plus one expert execution on every RL training seed. Collecting those
+    counts against its budget, as rollouts count against RL's. Evaluate it with `evaluate(run, "control")`.
+    """
+    run = RunDir.open(run_dir)
+    if (m := run.done("control")) is not None:
+        return m
+    from .model import load_policy, save_policy
+    from .trainer.publish import publish_weights
+
+    cfg, t0 = run.cfg, time.time()
+    budget = rl_wall_s(run) if budget_s is None else budget_s
+    ro = cfg.rollout
+    seeds = [cfg.env.train_seed_start + i for i in range(latest_version(run) * ro.tasks_per_step)]
+    fresh = _demonstrations(run, seeds, "control-demo", "control: demonstrations on the RL tasks")
+    _write_records(run, "control-demos", fresh)
+    good = [r for r in _read_records(run, "demos") + fresh if r.success]
+    model, tok = load_policy(str(run.warm))
+    left = budget - (time.time() - t0)
+    trainer, losses, n_seq = _supervised(run, model, tok, good, "control: supervised steps",
+                                         budget_s=max(left, 0.0), seed_offset=1)
+    save_policy(trainer.model, tok, str(run.control))
+    uri = publish_weights(trainer.state_dict(), run.weights_uri("control"))
+    return run.mark("control", {"path": str(run.control), "weights": uri, "budget_s": budget,
+                                "wall_s": time.time() - t0, "demos": len(fresh), "sequences": n_seq,
+                                "sft_steps": len(losses), "loss_last": losses[-1] if losses else None})
 
 
 # ----------------------------------------------------------------------------------------------
@@ -224,10 +296,14 @@ def warm_start(run_dir: str) -> str:
 
 
 def evaluate(run_dir: str, label: str, version: int | None = None) -> dict:
-    """Sampled policy (and greedy, random beside it) on the held-out seeds; recomputed if the version moved."""
+    """Sampled policy (and greedy, random beside it) on the held-out seeds; recomputed if the version moved.
+
+    "before" is the warm-started policy (v0), "control" the supervised-only control, anything else the
+    newest RL version."""
     run = RunDir.open(run_dir)
-    if version is None:   # "before" is the warm-started policy (v0); anything else the newest
-        version = 0 if label == "before" else latest_version(run)
+    if version is None:
+        version = {"before": 0, "control": CONTROL_VERSION}.get(label, None)
+        version = latest_version(run) if version is None else version
     if (m := run.done(f"eval_{label}")) is not None and m["version"] == version:
         return m
     from .evaluation import summarize
@@ -237,7 +313,7 @@ def evaluate(run_dir: str, label: str, version: int | None = None) -> dict:
     cfg, t0 = run.cfg, time.time()
     all_seeds = [cfg.env.eval_seed_start + i for i in range(cfg.eval.episodes)]
     modes = [("sampled", cfg.rollout.temperature, cfg.eval.episodes)]
-    if cfg.eval.greedy_episodes:
+    if cfg.eval.greedy_episodes and label != "control":   # the control is compared sampled, as RL is
         modes.append(("greedy", 0.0, min(cfg.eval.greedy_episodes, cfg.eval.episodes)))
     if cfg.eval.random_baseline and label == "before":
         modes.append(("random", None, cfg.eval.episodes))
@@ -456,7 +532,8 @@ def _train_step(run: RunDir, step: int, batch, t0: float) -> str:
         for epoch in range(rl.epochs):
             for k, chunk in enumerate(chunks):
                 st = trainer.micro_step(chunk, batch.normaliser, objective="ppo", temperature=cfg.rollout.temperature,
-                                        clip_low=rl.clip_low, clip_high=rl.clip_high, last=k == len(chunks) - 1)
+                                        clip_low=rl.clip_low, clip_high=rl.clip_high,
+                                        negative_scale=rl.negative_scale, last=k == len(chunks) - 1)
                 for key, v in st.items():
                     totals[key] = totals.get(key, 0.0) + v
                     if epoch == 0:

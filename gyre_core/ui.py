@@ -7,7 +7,8 @@ from contextlib import contextmanager
 
 @contextmanager
 def phase(description: str, total: int):
-    """`with phase("rollout", n) as tick: ... tick()` — advances a bar; tick(loss=0.3) shows a figure."""
+    """`with phase("rollout", n) as tick: ... tick()` — advances a bar; tick(loss=0.3) shows a figure;
+    tick(completed=x) sets the bar's position (e.g. seconds spent of a time budget)."""
     if os.environ.get("GYRE_QUIET") == "1" or total <= 0:
         yield lambda **kw: None
         return
@@ -19,8 +20,9 @@ def phase(description: str, total: int):
     with Progress(*cols, console=Console(stderr=True), transient=False) as bar:
         task = bar.add_task(description, total=total, info="")
 
-        def tick(**figures):
+        def tick(completed: float | None = None, **figures):
             info = "  ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in figures.items())
-            bar.update(task, advance=1, **({"info": info} if figures else {}))
+            move = {"advance": 1} if completed is None else {"completed": min(completed, total)}
+            bar.update(task, **move, **({"info": info} if figures else {}))
 
         yield tick

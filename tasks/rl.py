@@ -50,6 +50,11 @@ def publish(run_dir: str, step: int) -> str:
     return steps.publish(run_dir, step)
 
 
+@task(name="control", retries=1)
+def control(run_dir: str) -> dict:
+    return steps.control(run_dir)
+
+
 @task(name="summarize")
 def summarize(run_dir: str, started_at: float) -> dict:
     return report.summarize(run_dir, started_at)

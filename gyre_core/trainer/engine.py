@@ -86,7 +86,8 @@ class Trainer:
         return self.engine.module
 
     def micro_step(self, seqs, normaliser: float, *, objective: str = "ppo", temperature: float = 1.0,
-                   clip_low: float = 0.2, clip_high: float = 0.28, last: bool = False) -> dict[str, float]:
+                   clip_low: float = 0.2, clip_high: float = 0.28, negative_scale: float = 1.0,
+                   last: bool = False) -> dict[str, float]:
         """Forward + backward of one micro-batch; gradients accumulate until `optimizer_step()`.
 
         `last` marks the final micro-step of the batch (DeepSpeed reduces gradients on it). Returns sums
@@ -97,7 +98,7 @@ class Trainer:
         out = self.engine(**c.model_inputs())
         logp, entropy = token_logprobs(out.logits, c, temperature)
         if objective == "ppo":
-            loss, stats = ppo_clip_loss(logp, c, clip_low, clip_high, normaliser)
+            loss, stats = ppo_clip_loss(logp, c, clip_low, clip_high, normaliser, negative_scale)
         elif objective == "nll":
             loss, stats = nll_loss(logp, c, normaliser)
         else:

@@ -93,14 +93,20 @@ def token_logprobs(logits: torch.Tensor, c: Collated, temperature: float = 1.0) 
     return logp, entropy
 
 
-def ppo_clip_loss(logp: torch.Tensor, c: Collated, clip_low: float, clip_high: float, normaliser: float):
-    """−Σ_t w_t · min(r_t A_t, clip(r_t, 1−ε_l, 1+ε_h) A_t) / normaliser, with r_t = exp(logp − μ)."""
+def ppo_clip_loss(logp: torch.Tensor, c: Collated, clip_low: float, clip_high: float, normaliser: float,
+                  negative_scale: float = 1.0):
+    """−Σ_t w_t · min(r_t A_t, clip(r_t, 1−ε_l, 1+ε_h) A_t) / normaliser, with r_t = exp(logp − μ).
+
+    `negative_scale` multiplies negative advantages (1: plain PPO; 0: learn only from executions
+    that beat their group, which keeps a small policy from pushing mass onto invalid outputs)."""
     logp = logp.to(c.weights.dtype)
     ratio = torch.exp(logp - c.old_logprobs)
-    surr = torch.minimum(ratio * c.advantages, ratio.clamp(1 - clip_low, 1 + clip_high) * c.advantages)
+    adv = c.advantages if negative_scale == 1.0 else torch.where(c.advantages < 0, c.advantages * negative_scale,
+                                                                 c.advantages)
+    surr = torch.minimum(ratio * adv, ratio.clamp(1 - clip_low, 1 + clip_high) * adv)
     loss = -(c.weights * surr).sum() / normaliser
     with torch.no_grad():
-        clipped = ((ratio < 1 - clip_low) & (c.advantages < 0)) | ((ratio > 1 + clip_high) & (c.advantages > 0))
+        clipped = ((ratio < 1 - clip_low) & (adv < 0)) | ((ratio > 1 + clip_high) & (adv > 0))
         log_r = logp - c.old_logprobs
         stats = {
             "clip_frac": clipped.double().sum().item(),

@@ -76,3 +76,22 @@ def test_optimizer_step_before_last_micro_step_is_refused(model):
     trainer.micro_step(_seqs(2, 250, seed=2), 2.0, objective="nll", last=False)
     with pytest.raises(RuntimeError, match="last=True"):
         trainer.optimizer_step()
+
+
+def test_negative_scale_weighs_only_negative_advantages_by_hand():
+    # three scored tokens, logits chosen so the ratios are 1.1, 0.7 and 1.5 against μ
+    logp = torch.log(torch.tensor([0.55, 0.35, 0.3], dtype=torch.float64))
+    old = torch.log(torch.tensor([0.5, 0.5, 0.2], dtype=torch.float64))
+    adv = torch.tensor([1.0, -2.0, -0.5], dtype=torch.float64)
+    w = torch.tensor([0.5, 0.25, 0.25], dtype=torch.float64)
+    z = torch.zeros(3, dtype=torch.long)
+    from gyre_core.trainer.losses import Collated
+
+    c = Collated(z[None], z[None], z, z, z, old, adv, w)
+    # token 1: min(1.1·1, 1.1·1) = 1.1. token 2 (A=−2·s): min(0.7·A, clip(0.7)=0.8·A) = 0.8·A for A<0.
+    # token 3 (A=−0.5·s): min(1.5·A, 1.28·A) = 1.5·A for A<0.
+    for s in (1.0, 0.25, 0.0):
+        expect = -(0.5 * 1.1 + 0.25 * 0.8 * (-2.0 * s) + 0.25 * 1.5 * (-0.5 * s)) / 2.0
+        loss, stats = ppo_clip_loss(logp, c, 0.2, 0.28, 2.0, negative_scale=s)
+        assert loss.item() == pytest.approx(expect, rel=1e-12)
+        assert stats["clip_frac"] == (1.0 if s > 0 else 0.0)   # token 2 is clipped only while its A < 0

@@ -9,6 +9,7 @@ from flows.train import train
 from gyre_core import steps
 from gyre_core.lake.sql import connect
 from gyre_core.run import _CACHE as run_cache
+from gyre_core.run import RunDir
 from gyre_core.trainer.publish import load_weights
 
 
@@ -51,9 +52,9 @@ def test_smoke_flow_leaves_lake_rows_and_mlflow_metrics(clean_run):
     assert gen == summary["tokens_generated"] and trained == summary["tokens_trained"]
     assert 0 < trained <= gen
     assert _q(con, "SELECT count(*) FROM tree_paths")[0][0] >= _q(con, "SELECT count(*) FROM train_tokens")[0][0]
-    # the same held-out seeds before and after
+    # the same held-out seeds before and after RL, and for the supervised-only control
     seeds = _q(con, """SELECT count(DISTINCT seed), count(*) FROM executions WHERE split = 'eval-sampled'""")
-    assert seeds == [(eval_n, 2 * eval_n)]
+    assert seeds == [(eval_n, 3 * eval_n)]
     # MLflow: one point per RL step for each metric, the on-policy mismatch about 0
     client = MlflowClient(tracking_uri=f"sqlite:///{tmp_path}/mlflow.db")
     run_id = summary["paths"]["mlflow_run_id"]
@@ -107,3 +108,35 @@ def test_resume_after_a_failed_task_skips_finished_steps(tmp_path, monkeypatch, 
     assert crashed.keys() == clean.keys()
     for k in clean:
         assert torch.equal(crashed[k], clean[k]), k
+
+
+def test_control_spends_the_rl_wall_time_on_the_same_tasks_and_seeds(clean_run):
+    tmp_path, summary = clean_run
+    run = RunDir.open(tmp_path / "runs" / "flowtest")
+    ctrl = run.done("control")
+    # the budget is the RL phase's time, summed here from each step's own markers
+    phase_s = 0.0
+    for s in range(summary["rl_steps"]):
+        phase_s += run.done(f"rollout_{s:04d}")["rollout_s"] + run.done(f"score_{s:04d}")["score_s"]
+        phase_s += run.done(f"process_{s:04d}")["process_s"] + run.done(f"train_{s:04d}")["train_s"]
+        phase_s += run.done(f"publish_{s + 1:04d}")["metrics"]["time/publish_s"]
+    assert ctrl["budget_s"] == pytest.approx(phase_s, rel=1e-9)
+    assert ctrl["wall_s"] >= ctrl["budget_s"] and ctrl["sft_steps"] >= 1
+    # expert runs of exactly the tasks RL trained on
+    con = connect(str(tmp_path / "lake"), run_id="flowtest")
+    rl_seeds = _q(con, "SELECT DISTINCT seed FROM executions WHERE split = 'train' ORDER BY 1")
+    assert _q(con, "SELECT seed FROM executions WHERE split = 'control-demo' ORDER BY 1") == rl_seeds
+    # evaluated on the same held-out seeds, with the same sampling stream
+    before, after, control = (run.done(f"eval_{x}")["sampled"] for x in ("before", "after", "control"))
+    assert control["seeds"] == before["seeds"] == after["seeds"]
+    assert _q(con, "SELECT DISTINCT policy_version FROM executions WHERE execution_id LIKE '%eval-control%'") == \
+        [(steps.CONTROL_VERSION,)]
+    # the summary's figures, recomputed from the per-seed outcomes
+    n = len(control["seeds"])
+    assert summary["control"]["success"] == pytest.approx(sum(control["successes"]) / n)
+    d = [a - c for a, c in zip(after["successes"], control["successes"])]
+    mean = sum(d) / n
+    se = (sum((x - mean) ** 2 for x in d) / (n - 1) / n) ** 0.5
+    assert summary["rl_vs_control"]["diff"] == pytest.approx(mean)
+    assert summary["rl_vs_control"]["ci95_low"] == pytest.approx(mean - 1.959964 * se, abs=1e-6)
+    assert summary["control"]["episodes"] == n and summary["control"]["sft_steps"] == ctrl["sft_steps"]
