@@ -118,6 +118,19 @@ def run_variant(base: RunDir, name: str, preset: str, overrides: list[str], extr
             "rl_steps": run.cfg.rl.steps, "rl_minutes": rl_s / 60, "curve": curve}
 
 
+def print_table(path: str) -> None:
+    print("| setting | before | after | paired diff [95% CI] | minutes |\n|---|---|---|---|---|")
+    for line in Path(path).read_text().splitlines():
+        r = json.loads(line)
+        what = ", ".join(r["overrides"]) or "preset as is"
+        if r.get("base_overrides"):
+            what += f" (base: {', '.join(r['base_overrides'])})"
+        steps_ = f"{r['rl_steps']} RL steps, " if "rl_steps" in r else f"{r.get('sft_steps')} SFT steps, "
+        print(f"| {r['setting']}: {what} | {100 * r['before']:.1f}% | {100 * r['after']:.1f}% | "
+              f"{100 * r['diff']:+.1f} [{100 * r['ci95_low']:+.1f}, {100 * r['ci95_high']:+.1f}] | "
+              f"{steps_}{r['rl_minutes']:.1f} |")
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--preset", default="default")
@@ -129,7 +142,11 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--out-root", default="data/ablation")
     ap.add_argument("--out", default="data/ablation/rows.jsonl")
+    ap.add_argument("--table", action="store_true", help="print the rows in --out as a markdown table and exit")
     args = ap.parse_args(argv)
+    if args.table:
+        print_table(args.out)
+        return
 
     import torch
 
@@ -152,6 +169,7 @@ def main(argv: list[str] | None = None) -> None:
             extra = [o for o in re.split(r",(?=[a-z_]+\.[a-z_.]+=)", rest) if o]   # commas inside [a,b] stay
             row = run_variant(base, name, args.preset, overrides, extra)
         row["base_overrides"] = args.overrides
+        row["episodes"] = args.eval_episodes
         print(f"{name:>20}: {row['before']:.3f} -> {row['after']:.3f}  diff {row['diff']:+.3f} "
               f"[{row['ci95_low']:+.3f}, {row['ci95_high']:+.3f}]  {row['rl_minutes']:.1f} min", flush=True)
         with open(args.out, "a") as fh:

@@ -30,6 +30,8 @@ def summarize(run_dir: str, started_at: float | None = None) -> dict:
         "eval_before": ev(before, "sampled"), "eval_after": ev(after, "sampled"),
         "eval_before_greedy": ev(before, "greedy"), "eval_after_greedy": ev(after, "greedy"),
         "eval_random": ev(before, "random"),
+        # the ceiling: the environment's expert under the same harness limits (its demonstration seeds)
+        "expert": {"success": ws.get("demo_success"), "episodes": ws.get("demos")},
         "eval_episodes": (before.get("sampled") or {}).get("episodes", 0),
         "eval_paired": bool(before.get("sampled") and after.get("sampled")
                             and before["sampled"]["seeds"] == after["sampled"]["seeds"]),
@@ -132,6 +134,7 @@ def render_summary(s: dict) -> None:
             t.add_row("RL minus control, 95% CI", "",
                       f"{100 * r['diff']:+.1f} [{100 * r['ci95_low']:+.1f}, {100 * r['ci95_high']:+.1f}]")
     t.add_row("uniform-random policy", pct(s["eval_random"]["success"]), "")
+    t.add_row(f"expert, same turn limit ({s['expert']['episodes']} demo seeds)", pct(s["expert"]["success"]), "")
     t.add_row("held-out episodes (paired)", str(s["eval_episodes"]), "yes" if s["eval_paired"] else "no")
     t.add_row("RL steps / executions run", "", f"{s['rl_steps']} / {s['executions']}")
     t.add_row("tokens generated / trained", "", f"{s['tokens_generated']:,} / {s['tokens_trained']:,}")

@@ -304,5 +304,7 @@ def test_trainer_micro_step_on_packed_trees_matches_per_branch_sequences():
             shift = trainer.policy_shift(parts[0])          # the no-grad path takes packed trees too
             assert shift["tokens"] == parts[0][0].tgt.numel()
     assert norms[0] > 0 and math.isclose(norms[1], norms[0], rel_tol=1e-5)
+    # Adam's first step is lr·g/(|g|+ε): float32 rounding in a component with |g| near ε moves it by a
+    # few 1e-6, while a wrong gradient moves components by about lr = 1e-3
     for p, q in zip(*params):
-        assert torch.allclose(p, q, atol=1e-6)
+        assert torch.allclose(p, q, atol=2e-5)

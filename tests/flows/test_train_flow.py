@@ -140,3 +140,6 @@ def test_control_spends_the_rl_wall_time_on_the_same_tasks_and_seeds(clean_run):
     assert summary["rl_vs_control"]["diff"] == pytest.approx(mean)
     assert summary["rl_vs_control"]["ci95_low"] == pytest.approx(mean - 1.959964 * se, abs=1e-6)
     assert summary["control"]["episodes"] == n and summary["control"]["sft_steps"] == ctrl["sft_steps"]
+    # the ceiling beside it: the expert's success on its demonstration seeds, from the lake
+    demo = _q(con, "SELECT avg(success::INT), count(*) FROM executions WHERE split = 'demo'")[0]
+    assert summary["expert"] == {"success": pytest.approx(demo[0]), "episodes": demo[1]}
