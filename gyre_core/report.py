@@ -36,19 +36,20 @@ def summarize(run_dir: str, started_at: float | None = None) -> dict:
         "eval_paired": bool(before.get("sampled") and after.get("sampled")
                             and before["sampled"]["seeds"] == after["sampled"]["seeds"]),
     }
+    b, a, c = (EvalResult(**x["sampled"]) if x.get("sampled") else None for x in (before, after, ctrl_eval))
+
+    def interval(first: EvalResult, second: EvalResult) -> dict:   # second − first, per seed
+        d = paired(first, second)
+        return {"diff": d.mean, "ci95_low": d.ci95_low, "ci95_high": d.ci95_high}
+
     if summary["eval_paired"]:
-        d = paired(EvalResult(**before["sampled"]), EvalResult(**after["sampled"]))
-        summary.update(diff=d.mean, ci95_low=d.ci95_low, ci95_high=d.ci95_high)
-    if ctrl_eval.get("sampled"):   # the supervised-only control, on the same seeds
-        c = EvalResult(**ctrl_eval["sampled"])
+        summary.update(interval(b, a))
+    if c is not None:   # the supervised-only control, on the same seeds
         summary["control"] = {**ev(ctrl_eval, "sampled"), "budget_s": ctrl.get("budget_s"),
-                              "wall_s": ctrl.get("wall_s"), "sft_steps": ctrl.get("sft_steps")}
-        if before.get("sampled"):
-            d = paired(EvalResult(**before["sampled"]), c)
-            summary["control"].update(diff=d.mean, ci95_low=d.ci95_low, ci95_high=d.ci95_high)
-        if after.get("sampled"):
-            d = paired(c, EvalResult(**after["sampled"]))
-            summary["rl_vs_control"] = {"diff": d.mean, "ci95_low": d.ci95_low, "ci95_high": d.ci95_high}
+                              "wall_s": ctrl.get("wall_s"), "sft_steps": ctrl.get("sft_steps"),
+                              **(interval(b, c) if b else {})}
+        if a is not None:
+            summary["rl_vs_control"] = interval(c, a)
     rollouts = [run.done(f"rollout_{s:04d}") or {} for s in range(steps)]
     summary["executions"] = sum(r.get("executions", 0) for r in rollouts) + ws.get("demos", 0) + ctrl.get(
         "demos", 0) + sum((x.get(m) or {}).get("episodes", 0) for x in (before, after, ctrl_eval)
