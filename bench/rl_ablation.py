@@ -35,10 +35,11 @@ VARIANT_SECTIONS = ("rl.", "rollout.", "processor.")
 
 
 def _base_run(preset: str, overrides: list[str], out_root: Path) -> RunDir:
-    probe = load_config(preset, overrides).model_dump(mode="json")
+    full = load_config(preset, overrides)
+    probe = full.model_dump(mode="json")
     for k in ("rl", "processor", "eval"):   # what variants may change, and the eval (same seeds)
         probe.pop(k)
-    probe["eval_episodes"] = load_config(preset, overrides).eval.episodes
+    probe["eval_episodes"] = full.eval.episodes
     key = hashlib.sha1(json.dumps(probe, sort_keys=True).encode()).hexdigest()[:10]
     if (out_root / f"ablation-base-{key}" / "markers" / "eval_before.json").exists():
         return RunDir.open(out_root / f"ablation-base-{key}")   # done (perhaps by an older schema)
@@ -85,12 +86,17 @@ def run_control(base: RunDir, name: str, preset: str, overrides: list[str], minu
     run = _variant_run(base, name, preset, overrides, [])
     d, t0 = str(run.path), time.time()
     c = steps.control(d, budget_s=60 * minutes)
-    ev = steps.evaluate(d, "control")
-    b, a = (EvalResult(**x["sampled"]) for x in (base.done("eval_before"), ev))
+    return _row(base, name, [f"control {minutes} min"], steps.evaluate(d, "control"), time.time() - t0,
+                sft_steps=c["sft_steps"])
+
+
+def _row(base: RunDir, name: str, overrides: list[str], after: dict, seconds: float, **extra) -> dict:
+    """One table row: the variant's sampled success against the shared "before", paired by seed."""
+    b, a = (EvalResult(**x["sampled"]) for x in (base.done("eval_before"), after))
     diff = paired(b, a)
-    return {"setting": name, "overrides": [f"control {minutes} min"], "before": b.success, "after": a.success,
+    return {"setting": name, "overrides": overrides, "before": b.success, "after": a.success,
             "diff": diff.mean, "ci95_low": diff.ci95_low, "ci95_high": diff.ci95_high, "episodes": b.episodes,
-            "sft_steps": c["sft_steps"], "rl_minutes": (time.time() - t0) / 60}
+            "rl_minutes": seconds / 60, **extra}
 
 
 def run_variant(base: RunDir, name: str, preset: str, overrides: list[str], extra: list[str]) -> dict:
@@ -109,13 +115,7 @@ def run_variant(base: RunDir, name: str, preset: str, overrides: list[str], extr
         print(f"  [{name}] step {step}: rollout success {ro['success']:.3f} partial {ro['partial']:.3f} "
               f"kl {tr['kl']:.4f} entropy {tr['entropy']:.3f}", flush=True)
     rl_s = time.time() - t0
-    after = steps.evaluate(d, "after")
-    before = base.done("eval_before")
-    b, a = (EvalResult(**x["sampled"]) for x in (before, after))
-    diff = paired(b, a)
-    return {"setting": name, "overrides": extra, "before": b.success, "after": a.success,
-            "diff": diff.mean, "ci95_low": diff.ci95_low, "ci95_high": diff.ci95_high, "episodes": b.episodes,
-            "rl_steps": run.cfg.rl.steps, "rl_minutes": rl_s / 60, "curve": curve}
+    return _row(base, name, extra, steps.evaluate(d, "after"), rl_s, rl_steps=run.cfg.rl.steps, curve=curve)
 
 
 def print_table(path: str) -> None:
