@@ -127,6 +127,9 @@ class WarmStartConfig(_Section):
     """Sequences per supervised step."""
     lr: float = Field(2e-3, gt=0)
     """Learning rate of the warm start."""
+    lr_final: float | None = Field(None, gt=0)
+    """Cosine decay from `lr` to this over the warm start's steps (None: constant `lr`). The supervised
+    control continues at `lr_final`, where the warm start left off."""
 
 
 class RLConfig(_Section):
@@ -206,6 +209,41 @@ class TrainerConfig(_Section):
     """Where policy versions are published (fsspec URL). None: `<run dir>/weights`."""
 
 
+class ElasticConfig(_Section):
+    """How devices are split between rollout and training (issue 5; `gyre_core.elastic`)."""
+
+    policy: Literal["colocated", "async", "elastic"] = "elastic"
+    """`colocated`: all cells roll out, then all train; `async`: a fixed split, rollout runs ahead within
+    `max_staleness`; `elastic`: the waterlevel rule moves cells between roles while executions run."""
+    cells: int = Field(2, gt=0)
+    """K identical cells; cell 0 is the core (authoritative weights and optimizer), the rest satellites."""
+    mode: Literal["real", "emulated"] = "real"
+    """`real`: each cell agent runs the engine and trainer; `emulated`: the same router, controller, queues
+    and agents, with device work replaced by calibrated waits (to show a fleet on a small machine)."""
+    devices: int | None = Field(None, gt=0)
+    """Devices available to real cells (None: GPUs from CUDA_VISIBLE_DEVICES / torch, else CPU cores)."""
+    devices_per_cell: int = Field(1, gt=0)
+    """Devices (GPUs, or CPU threads on a CPU host) each cell agent owns."""
+    capacity: int = Field(8, gt=0)
+    """Executions one rollout cell serves at once (its KV-cache slots); the waterlevel counts in these."""
+    async_train_cells: int = Field(1, ge=1)
+    """`async`: cells fixed in training (the rest roll out)."""
+    max_staleness: int = Field(1, ge=0)
+    """`async` / `elastic`: burst s is dispatched once weights v ≥ s − this are published (`colocated`: 0)."""
+    micro_step_executions: int = Field(4, gt=0)
+    """Finished executions per streamed micro-step."""
+    cell_timeout_s: float = Field(30.0, gt=0)
+    """A cell agent silent for this long is declared dead: its calls are retried, its micro-steps reclaimed."""
+
+    @model_validator(mode="after")
+    def _workable(self):
+        if self.policy == "async" and self.async_train_cells >= self.cells:
+            raise ValueError(f"elastic.async_train_cells: async needs at least one rollout cell besides "
+                             f"{self.async_train_cells} training cell(s), but elastic.cells is {self.cells}; "
+                             f"use K ≥ 2 or elastic.policy=colocated")
+        return self
+
+
 class GyreConfig(_Section):
     preset: str = "default"
     """Name of the preset this config came from (informational)."""
@@ -221,6 +259,7 @@ class GyreConfig(_Section):
     lake: LakeConfig = Field(default_factory=LakeConfig)
     tracking: TrackingConfig = Field(default_factory=TrackingConfig)
     trainer: TrainerConfig = Field(default_factory=TrainerConfig)
+    elastic: ElasticConfig = Field(default_factory=ElasticConfig)
 
     @model_validator(mode="after")
     def _seed_ranges_disjoint(self):
@@ -257,8 +296,9 @@ def _set_dotted(tree: dict, dotted: str, value: Any) -> None:
 def _describe(err: ValidationError) -> str:
     e = err.errors()[0]
     loc = ".".join(str(p) for p in e["loc"])
-    if not loc:   # a whole-config rule; its message names the field
-        return e["msg"].removeprefix("Value error, ")
+    msg = e["msg"].removeprefix("Value error, ")
+    if not loc or msg.startswith(loc + "."):   # a whole-config or section rule; its message names the field
+        return msg
     if e["type"] == "extra_forbidden":
         section = _section_for(e["loc"][:-1])
         allowed = ", ".join(section.model_fields) if section else ""

@@ -11,6 +11,7 @@ its completion marker and returns what it produced before (see `gyre_core.run`).
 """
 from __future__ import annotations
 
+import math
 import random
 import time
 from pathlib import Path
@@ -209,11 +210,23 @@ def _demonstrations(run: RunDir, seeds: list[int], kind: str, label: str) -> lis
         return _run_policy(run, specs, ExpertPolicy(_tokenizer(run), _stop_id(run)), lambda r: tick())
 
 
+def supervised_lr(ws, step: int, n_steps: int | None) -> float:
+    """Learning rate of supervised step `step` (0-based): cosine from `ws.lr` to `ws.lr_final` over
+    `n_steps`; constant `ws.lr` without a final rate; `ws.lr_final` for budgeted (control) training."""
+    if ws.lr_final is None:
+        return ws.lr
+    if n_steps is None:
+        return ws.lr_final
+    frac = min(step / max(n_steps - 1, 1), 1.0)
+    return ws.lr_final + 0.5 * (ws.lr - ws.lr_final) * (1 + math.cos(math.pi * frac))
+
+
 def _supervised(run: RunDir, model, tok, records, label: str, n_steps: int | None = None,
-                budget_s: float | None = None, seed_offset: int = 0):
+                budget_s: float | None = None, seed_offset: int = 0, on_step=None):
     """Behaviour cloning on successful expert executions: batches of `warmstart.batch_size` sequences
     sampled with replacement across steps, a per-token mean over each batch. Stops after `n_steps`
-    optimizer steps, or at the first step boundary once `budget_s` seconds have passed."""
+    optimizer steps, or at the first step boundary once `budget_s` seconds have passed. The rate
+    follows `supervised_lr`; `on_step(steps_done, trainer)` is called after every step."""
     from .processor.batch import build_batch, micro_batches
     from .trainer.engine import Trainer
 
@@ -221,8 +234,8 @@ def _supervised(run: RunDir, model, tok, records, label: str, n_steps: int | Non
     batch = build_batch(records, {r.execution_id: 1.0 for r in records})
     for s in batch.sequences:   # supervised: every generated token weighs 1
         s.weights = [1.0 if w else 0.0 for w in s.weights]
-    trainer = Trainer(model, lr=ws.lr, zero_stage=cfg.trainer.zero_stage, grad_clip=cfg.rl.grad_clip,
-                      pad_id=tok.pad_token_id or 0)
+    trainer = Trainer(model, lr=supervised_lr(ws, 0, n_steps), zero_stage=cfg.trainer.zero_stage,
+                      grad_clip=cfg.rl.grad_clip, pad_id=tok.pad_token_id or 0)
     rng = random.Random(cfg.run.seed + seed_offset)
     losses: list[float] = []
 
@@ -232,6 +245,7 @@ def _supervised(run: RunDir, model, tok, records, label: str, n_steps: int | Non
     with phase(label + ("" if n_steps is not None else " (seconds of budget)"),
                n_steps if n_steps is not None else int(budget_s)) as tick:
         while batch.sequences and more():
+            trainer.set_lr(supervised_lr(ws, len(losses), n_steps))
             chunk = rng.sample(batch.sequences, min(ws.batch_size, len(batch.sequences)))
             n_tok = sum(s.n_trainable for s in chunk)
             parts = micro_batches(chunk, cfg.rl.micro_batch_tokens)
@@ -240,6 +254,8 @@ def _supervised(run: RunDir, model, tok, records, label: str, n_steps: int | Non
             trainer.optimizer_step()
             losses.append(loss)
             tick(**({} if n_steps is not None else {"completed": time.time() - t0}), loss=loss)
+            if on_step is not None:
+                on_step(len(losses), trainer)
     return trainer, losses, len(batch.sequences)
 
 

@@ -11,6 +11,11 @@ each, trained through tree attention; the model is switched to it on the first p
 On this CPU machine DeepSpeed runs with `DS_ACCELERATOR=cpu` over gloo, the same code path that runs
 on GPUs over NCCL. Gradients accumulate across micro-steps; only `optimizer_step()` updates, so the
 update is identical however the batch is split.
+
+Streaming (`gyre_core.elastic.stream`) does not know which micro-step is the last one, nor the step's
+normaliser, until the burst is over: it runs every micro-step with `last=False` and normaliser 1, moves
+satellite gradients in with `gradients()` / `add_gradients()`, and closes with
+`finish_accumulation(scale=1/n_executions)`.
 """
 from __future__ import annotations
 
@@ -19,7 +24,7 @@ import socket
 
 import torch
 
-from .losses import collate, nll_loss, ppo_clip_loss, token_logprobs
+from .losses import collate, decoupled_ppo_loss, nll_loss, ppo_clip_loss, token_logprobs
 
 
 def ensure_tree_attention(model) -> None:
@@ -80,6 +85,7 @@ class Trainer:
         # (the PPO ratio and the behaviour/trainer mismatch metric assume it). Gradients flow as usual.
         self.engine.module.eval()
         self._pending = False
+        self._closed = False     # a micro-step ran at the accumulation boundary (gradients were reduced)
 
     @property
     def model(self):
@@ -87,11 +93,16 @@ class Trainer:
 
     def micro_step(self, seqs, normaliser: float, *, objective: str = "ppo", temperature: float = 1.0,
                    clip_low: float = 0.2, clip_high: float = 0.28, negative_scale: float = 1.0,
-                   last: bool = False) -> dict[str, float]:
+                   last: bool = False, is_cap: float = 2.0, prox_logprobs=None) -> dict[str, float]:
         """Forward + backward of one micro-batch; gradients accumulate until `optimizer_step()`.
 
         `last` marks the final micro-step of the batch (DeepSpeed reduces gradients on it). Returns sums
         over the micro-batch's scored tokens (divide by `tokens` for means).
+
+        `objective="decoupled"` is decoupled PPO (`losses.decoupled_ppo_loss`): clip against the proximal
+        policy, weight by min(π_prox/μ, `is_cap`). `prox_logprobs` (aligned with the scored entries of
+        `seqs`, e.g. from `logprobs(seqs)` before the step's first update) is needed only when a step runs
+        more than one epoch; otherwise π_prox is this forward's own log-probs, detached.
         """
         c = self._collate(seqs)
         self.engine.set_gradient_accumulation_boundary(last)
@@ -99,15 +110,28 @@ class Trainer:
         logp, entropy = token_logprobs(out.logits, c, temperature)
         if objective == "ppo":
             loss, stats = ppo_clip_loss(logp, c, clip_low, clip_high, normaliser, negative_scale)
+        elif objective == "decoupled":
+            prox = None if prox_logprobs is None else torch.as_tensor(prox_logprobs, dtype=torch.float64)
+            loss, stats = decoupled_ppo_loss(logp, c, clip_low, clip_high, normaliser, is_cap=is_cap,
+                                             prox_logprobs=prox, negative_scale=negative_scale)
         elif objective == "nll":
             loss, stats = nll_loss(logp, c, normaliser)
         else:
-            raise ValueError(f"objective must be 'ppo' or 'nll', got {objective!r}")
+            raise ValueError(f"objective must be 'ppo', 'decoupled' or 'nll', got {objective!r}")
         self.engine.backward(loss)
         self._pending = True
+        self._closed = self._closed or last
         stats.update(loss=loss.item(), tokens=float(c.tgt.numel()), entropy=entropy.detach().sum().item(),
                      nll=-logp.detach().sum().item())
         return stats
+
+    @torch.no_grad()
+    def logprobs(self, seqs, *, temperature: float = 1.0) -> torch.Tensor:
+        """Log-probs of the scored entries of `seqs` under the current weights, in `collate` order: the
+        proximal policy of decoupled PPO when a step runs several epochs (compute it before the first)."""
+        c = self._collate(seqs)
+        out = self.engine(**c.model_inputs())
+        return token_logprobs(out.logits, c, temperature)[0].double()
 
     @torch.no_grad()
     def policy_shift(self, seqs, *, temperature: float = 1.0, clip_low: float = 0.2,
@@ -131,6 +155,11 @@ class Trainer:
             ensure_tree_attention(self.model)
         return c
 
+    def set_lr(self, lr: float) -> None:
+        """Learning rate of the next optimizer steps (schedules are the caller's)."""
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+
     def optimizer_step(self) -> float:
         """Apply the accumulated gradient (clipped); returns the gradient norm before clipping."""
         if not self._pending:
@@ -138,9 +167,102 @@ class Trainer:
         if not self.engine.is_gradient_accumulation_boundary():
             raise RuntimeError("optimizer_step() before the micro-step marked last=True")
         self.engine.step()
-        self._pending = False
+        self._pending = self._closed = False
         norm = self.engine.get_global_grad_norm()
         return float(norm) if norm is not None else 0.0
+
+    # -- streaming: an accumulation closed late, gradients moved between trainers ------------------
+    def gradients(self) -> dict[str, torch.Tensor]:
+        """Copies of the gradient accumulated so far, by parameter name (zeros where none arrived).
+
+        Before the boundary, ZeRO 0/1 keep it in `param.grad`; after a `last=True` micro-step, ZeRO 1 has
+        moved it into its flat partitions, which `safe_get_full_grad` reads. A satellite hands these to
+        the core (`add_gradients`) and then calls `zero_gradients()`.
+        """
+        from deepspeed.utils import safe_get_full_grad
+
+        self._check_grad_layout()
+        out = {}
+        for name, p in self.model.named_parameters():
+            g = safe_get_full_grad(p) if self._closed and p.requires_grad else p.grad
+            out[name] = torch.zeros_like(p) if g is None else g.detach().clone()
+        return out
+
+    def add_gradients(self, grads: dict[str, torch.Tensor]) -> None:
+        """Add another trainer's accumulated gradients (same parameter names) to this one's.
+
+        Only while the accumulation is open (no `last=True` micro-step yet): the sum then goes through
+        the boundary reduction, clipping and the optimizer exactly as if computed here.
+        """
+        self._require_open("add_gradients")
+        self._check_grad_layout()
+        params = dict(self.model.named_parameters())
+        if set(grads) - set(params):
+            raise KeyError(f"unknown parameters: {sorted(set(grads) - set(params))[:5]}")
+        with torch.no_grad():
+            for name, g in grads.items():
+                p = params[name]
+                g = g.to(device=p.device, dtype=p.dtype)
+                if p.grad is None:
+                    p.grad = g.clone()
+                else:
+                    p.grad.add_(g)
+        self._pending = True
+
+    def zero_gradients(self) -> None:
+        """Drop the accumulated gradient (a satellite after handing it over; a burst being redone)."""
+        self._require_open("zero_gradients")
+        for p in self.model.parameters():
+            p.grad = None
+        self.engine.optimizer.zero_grad()
+        self._pending = self._closed = False
+
+    def finish_accumulation(self, scale: float = 1.0) -> float:
+        """Close an accumulation whose micro-steps all ran with `last=False`: multiply the gradient by
+        `scale` (streaming: 1 / executions trained, known only now), pass DeepSpeed's accumulation
+        boundary, and apply the update. Returns the gradient norm before clipping, after scaling (as
+        `optimizer_step`: 0.0 where DeepSpeed reports none, ZeRO 0).
+
+        Scaling before the boundary means clipping and the optimizer see exactly the gradient a
+        one-batch step with normaliser 1/scale would have produced.
+        """
+        if not self._pending:
+            return 0.0
+        self._require_open("finish_accumulation")
+        self._check_grad_layout()
+        if scale != 1.0:
+            with torch.no_grad():
+                for p in self.model.parameters():
+                    if p.grad is not None:
+                        p.grad.mul_(scale)
+        self._close_boundary()
+        return self.optimizer_step()
+
+    def _close_boundary(self) -> None:
+        """A micro-step that adds nothing: a one-token forward whose loss is 0 · Σ logits, back-propagated
+        at the boundary so DeepSpeed runs its own reduction path (ZeRO 1: into its partitions; several
+        ranks: the all-reduce) without a real micro-step to attach it to."""
+        self.engine.set_gradient_accumulation_boundary(True)
+        ids = torch.full((1, 1), self.pad_id, dtype=torch.long)
+        out = self.engine(input_ids=ids, attention_mask=torch.ones_like(ids), use_cache=False)
+        self.engine.backward(out.logits.sum() * 0.0)
+        self._closed = True
+
+    def _check_grad_layout(self) -> None:
+        """The streaming methods read and write `param.grad`. ZeRO 2/3 do not keep the sum there, nor does
+        ZeRO 1 with an accumulation dtype other than the parameters' (bf16 weights, fp32 accumulation: it
+        uses `param.grad_accum`); refuse those rather than silently miss the gradient."""
+        if self.engine.zero_optimization_partition_gradients():
+            raise NotImplementedError("streamed gradients need ZeRO stage 0 or 1: stage 2/3 partition the "
+                                      "gradient at every backward, so param.grad does not hold the sum")
+        if getattr(self.engine.optimizer, "use_grad_accum_attribute", False):
+            raise NotImplementedError("streamed gradients need the accumulation dtype to equal the parameters' "
+                                      "(ZeRO 1 with a separate grad_accum dtype is not supported)")
+
+    def _require_open(self, what: str) -> None:
+        if self._closed:
+            raise RuntimeError(f"{what}() after a micro-step marked last=True: the gradients are already "
+                               "reduced; stream with last=False and close with finish_accumulation()")
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         return {k: v.detach().clone() for k, v in self.model.state_dict().items()}

@@ -120,3 +120,46 @@ def nll_loss(logp: torch.Tensor, c: Collated, normaliser: float):
     """Supervised warm start: −Σ_t w_t log π(t) / normaliser."""
     loss = -(c.weights * logp.to(c.weights.dtype)).sum() / normaliser
     return loss, {}
+
+
+def decoupled_ppo_loss(logp: torch.Tensor, c: Collated, clip_low: float, clip_high: float, normaliser: float, *,
+                       is_cap: float, prox_logprobs: torch.Tensor | None = None, negative_scale: float = 1.0):
+    """Decoupled PPO: −Σ_t w_t · ρ_t · min(r_t A_t, clip(r_t, 1−ε_l, 1+ε_h) A_t) / normaliser.
+
+    r_t = π/π_prox clips against the proximal policy π_prox (the weights at the start of this step) instead
+    of the behaviour policy μ, and ρ_t = min(π_prox/μ, is_cap) — a constant, no gradient — corrects for μ
+    being older than π_prox (stale executions, a call rerouted across a weight update). Clipping against
+    μ would clip a stale token before the step has moved the policy at all; ρ reweights it instead, and
+    the cap bounds the variance a token with π_prox ≫ μ would add.
+
+    `prox_logprobs` ([N], aligned with `c`'s scored entries) is only needed when a step runs several
+    epochs; by default π_prox = π.detach(), exact for the first (or only) epoch: r = 1 in value with the
+    gradient of π. Entries of a packed tree carry their own branch's μ, A and w, so trees need nothing
+    more. Stats are sums over entries like `ppo_clip_loss`'s (divide by the token count for means):
+    `is_weight` sums ρ, `is_truncated` counts ρ capped (π_prox/μ > is_cap).
+    """
+    if not is_cap > 0:
+        raise ValueError(f"is_cap must be positive, got {is_cap}")
+    logp = logp.to(c.weights.dtype)
+    prox = logp.detach() if prox_logprobs is None else prox_logprobs.detach().to(logp)
+    if prox.shape != logp.shape:
+        raise ValueError(f"prox_logprobs has shape {tuple(prox.shape)}; the batch scores {tuple(logp.shape)} entries")
+    with torch.no_grad():
+        raw_is = torch.exp(prox - c.old_logprobs)
+        is_w = raw_is.clamp(max=is_cap)
+    ratio = torch.exp(logp - prox)
+    adv = c.advantages if negative_scale == 1.0 else torch.where(c.advantages < 0, c.advantages * negative_scale,
+                                                                 c.advantages)
+    surr = torch.minimum(ratio * adv, ratio.clamp(1 - clip_low, 1 + clip_high) * adv)
+    loss = -(c.weights * is_w * surr).sum() / normaliser
+    with torch.no_grad():
+        clipped = ((ratio < 1 - clip_low) & (adv < 0)) | ((ratio > 1 + clip_high) & (adv > 0))
+        log_r = logp - c.old_logprobs      # against μ: comparable with ppo_clip_loss's stats
+        stats = {
+            "clip_frac": clipped.double().sum().item(),
+            "approx_kl": ((log_r.exp() - 1) - log_r).sum().item(),
+            "logprob_mismatch": log_r.abs().sum().item(),
+            "is_weight": is_w.sum().item(),
+            "is_truncated": (raw_is > is_cap).double().sum().item(),
+        }
+    return loss, stats

@@ -1,0 +1,18 @@
+"""Elastic rollout/training reallocation: cells, the waterlevel controller, the router, streaming training.
+
+The devices are grouped into K identical *cells*. Cell 0 is the *core*: it owns the authoritative
+weights and the only optimizer state; cells 1..K−1 are *satellites*. Each cell is in one role at a
+time — `rollout` (serving model calls through the router) or `train` (claiming streamed micro-steps)
+— and switches inside its long-lived agent, never by starting a process.
+
+Modules, bottom up:
+- `workload`   — the execution-time model shared by the emulated runtime and the simulator
+                 (long-tailed calls per execution with a timeout cap, environment latency, training cost).
+- `controller` — the role policies (`colocated`, `async`, `elastic` waterlevel) as pure functions of
+                 the counters (dispatched d, finished f, capacity); every decision is a `Decision` record.
+- `sim`        — a discrete-event model of a fleet running the same policies (`gyre sim`).
+- `timeline`   — the role-timeline picture (cells × time, coloured by role, switch marks).
+
+Training cells always form a prefix of the order core, satellite 1, satellite 2, ...: the core goes
+first (it holds the optimizer), and the set of training cells is always cells[0:t] for some t.
+"""

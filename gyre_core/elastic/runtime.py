@@ -1,0 +1,421 @@
+"""The coordinator: runs a workload on K cell agents under one role policy, and measures it.
+
+    result = run_elastic(cfg.elastic, workload)      # starts K agents, runs, stops them
+    result.step_s, result.busy_frac, result.switch_s
+
+One process holds the router, the controller, the stream of finished executions and the executions'
+harness threads; the cells are separate long-lived agent processes (`gyre_core.elastic.cells`) that
+connect back to it. Every event (a call answered, an execution finished, a micro-step or an update
+done, a role switch done, a cell lost) re-runs the same four rules:
+1. dispatch the next burst once its staleness bound allows (`max_staleness`; colocated: 0);
+2. ask the role policy how many cells train (a prefix: core first) and switch cells toward it —
+   rollout → train closes the cell in the router (its calls are rerouted with their tokens so far),
+   train → rollout waits for the micro-step boundary;
+3. hand streamed micro-steps of the current version's burst to idle training cells;
+4. when a burst's micro-steps are all done, the core applies the update and publishes the next version.
+A cell whose connection drops, or that is silent for `cell_timeout_s`, is declared dead: its calls
+are retried elsewhere, its micro-steps reclaimed, and the run goes on with K − 1 cells.
+"""
+from __future__ import annotations
+
+import os
+import queue
+import secrets
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from multiprocessing.connection import Listener
+
+from ..config import ConfigError, ElasticConfig
+from .cells import CallRequest, emulated_token  # noqa: F401  (re-exported for tests)
+from .controller import ROLLOUT, TRAIN, Counters, Decision, decide, make_policy
+from .router import Router
+from .stream import MicroStepQueue
+from .timeline import BusySpan, RoleSpan, busy_fractions
+from .workload import Workload
+
+TOKENS_PER_CALL = 8   # emulated calls: tokens generated per call (call_s is spread over them)
+
+
+@dataclass(slots=True)
+class ExecutionLog:
+    """What one emulated execution got back: its calls' tokens and per-token versions (TITO)."""
+
+    execution_id: str
+    burst: int
+    calls: list[tuple[int, list[int], list[int]]] = field(default_factory=list)   # (prompt_len, ids, versions)
+    reroutes: int = 0
+
+
+@dataclass(slots=True)
+class _CellState:
+    index: int
+    conn: object
+    proc: subprocess.Popen | None
+    role: str = ROLLOUT              # rollout | train | switching | dead
+    target: str = ROLLOUT
+    busy: bool = False               # computing a micro-step or an update
+    last_seen: float = 0.0
+    switch_t0: float = 0.0
+    span_t0: float = 0.0
+    busy_t0: float = 0.0
+    send_lock: threading.Lock = field(default_factory=threading.Lock)
+
+
+@dataclass(slots=True)
+class ElasticResult:
+    policy: str
+    mode: str
+    k: int
+    steps: int
+    wall_s: float
+    step_s: float
+    busy: dict
+    switch_s_rollout_to_train: float | None
+    switch_s_train_to_rollout: float | None
+    switches: int
+    reroutes: int
+    dead_cells: list[int]
+    stale_dropped: int
+    decisions: list[Decision]
+    role_spans: list[RoleSpan]
+    busy_spans: list[BusySpan]
+    switch_marks: list[tuple[int, float, str, str]]
+    executions: list[ExecutionLog]
+    notes: list[str]
+
+    def to_dict(self) -> dict:
+        return {"policy": self.policy, "mode": self.mode, "k": self.k, "steps": self.steps,
+                "wall_s": self.wall_s, "step_s": self.step_s, "busy_frac": self.busy.get("overall"),
+                "busy": self.busy, "switch_s_rollout_to_train": self.switch_s_rollout_to_train,
+                "switch_s_train_to_rollout": self.switch_s_train_to_rollout, "switches": self.switches,
+                "reroutes": self.reroutes, "dead_cells": self.dead_cells, "stale_dropped": self.stale_dropped,
+                "decisions": [d.to_dict() for d in self.decisions], "notes": self.notes}
+
+
+class Coordinator:
+    def __init__(self, ecfg: ElasticConfig, workload: Workload, *, kill_cell_at: tuple[int, float] | None = None,
+                 policy=None):
+        self.cfg, self.w = ecfg, workload
+        self.policy = policy or make_policy(ecfg.policy, ecfg.async_train_cells)
+        self.staleness = 0 if ecfg.policy == "colocated" else ecfg.max_staleness
+        self.events: queue.Queue = queue.Queue()
+        self.cells: dict[int, _CellState] = {}
+        self.order: list[int] = []            # alive cells, core first
+        self.router = Router(ecfg.capacity, self._send_gen, self._on_rollout_busy)
+        self.stream = MicroStepQueue(ecfg.micro_step_executions, self.staleness)
+        self.version = 0
+        self.next_burst = 0
+        self.dispatched = self.finished = 0
+        self.updating = False
+        self.t0 = 0.0
+        self.decisions: list[Decision] = []
+        self.role_spans: list[RoleSpan] = []
+        self.busy_spans: list[BusySpan] = []
+        self.marks: list[tuple[int, float, str, str]] = []
+        self.switch_s: dict[str, list[float]] = {TRAIN: [], ROLLOUT: []}
+        self.logs: list[ExecutionLog] = []
+        self.threads: list[threading.Thread] = []
+        self.notes: list[str] = []
+        self.dead: list[int] = []
+        self.kill_cell_at = kill_cell_at     # tests: (cell, seconds) SIGKILLs a cell mid-run
+
+    # -- clock and records ---------------------------------------------------------------------
+    def now(self) -> float:
+        return time.monotonic() - self.t0
+
+    def _set_role(self, c: _CellState, role: str) -> None:
+        t = self.now()
+        if t > c.span_t0:
+            self.role_spans.append(RoleSpan(c.index, c.span_t0, t, c.role))
+        c.role, c.span_t0 = role, t
+
+    def _on_rollout_busy(self, cell: int, busy: bool) -> None:   # router callback (its lock held)
+        c = self.cells.get(cell)
+        if c is None:
+            return
+        if busy:
+            c.busy_t0 = self.now()
+        else:
+            self.busy_spans.append(BusySpan(cell, c.busy_t0, self.now(), ROLLOUT))
+
+    def _send(self, cell: int, msg: tuple) -> None:
+        c = self.cells[cell]
+        if c.role == "dead":
+            return
+        try:
+            with c.send_lock:
+                c.conn.send(msg)
+        except (OSError, EOFError):
+            self.events.put((cell, ("dead", "connection lost on send")))
+
+    def _send_gen(self, cell: int, msg: tuple) -> None:
+        self._send(cell, msg)
+
+    # -- cells -----------------------------------------------------------------------------------
+    def _start_cells(self) -> None:
+        key = secrets.token_hex(16)
+        listener = Listener(("127.0.0.1", 0), authkey=key.encode())
+        host, port = listener.address
+        env = dict(os.environ, GYRE_CELL_KEY=key, OMP_NUM_THREADS=str(self.cfg.devices_per_cell))
+        procs = []
+        for i in range(self.cfg.cells):
+            cmd = [sys.executable, "-m", "gyre_core.elastic.cells", "--cell", str(i),
+                   "--coordinator", f"{host}:{port}", "--mode", self.cfg.mode,
+                   "--threads", str(self.cfg.devices_per_cell)]
+            procs.append(subprocess.Popen(cmd, env=env))
+        for _ in range(self.cfg.cells):
+            conn = listener.accept()
+            hello = conn.recv()
+            idx = hello[1]
+            self.cells[idx] = _CellState(idx, conn, procs[idx], last_seen=time.monotonic())
+        listener.close()
+        self.order = sorted(self.cells)
+        for c in self.cells.values():
+            threading.Thread(target=self._reader, args=(c,), daemon=True).start()
+
+    def _reader(self, c: _CellState) -> None:
+        while True:
+            try:
+                msg = c.conn.recv()
+            except (EOFError, OSError):
+                self.events.put((c.index, ("dead", "connection closed")))
+                return
+            if msg[0] == "done":     # answers go straight to the router (executions are waiting on them)
+                self.router.on_done(c.index, *msg[1:])
+                self.events.put((c.index, ("beat",)))
+            else:
+                self.events.put((c.index, msg))
+
+    # -- the run ---------------------------------------------------------------------------------
+    def run(self) -> ElasticResult:
+        self._start_cells()
+        self.t0 = time.monotonic()
+        for i in self.order:
+            self.router.open(i)
+        try:
+            while self.version < self.w.steps:
+                self._rules()
+                self._check_silence()
+                self._maybe_kill()
+                try:
+                    cell, msg = self.events.get(timeout=0.1)
+                except queue.Empty:
+                    continue
+                self._handle(cell, msg)
+        finally:
+            wall = self.now()
+            self._shutdown()
+        return self._result(wall)
+
+    def _rules(self) -> None:
+        self._dispatch()
+        self._roles()
+        self._feed()
+        self._update()
+
+    def _dispatch(self) -> None:
+        s = self.next_burst
+        if s >= self.w.steps or self.version < s - self.staleness:
+            return
+        self.next_burst += 1
+        calls = self.w.calls(s)
+        self.stream.open_burst(s, len(calls))
+        self.dispatched += len(calls)
+        for i, n in enumerate(calls):
+            log = ExecutionLog(f"b{s}/e{i}", s)
+            self.logs.append(log)
+            th = threading.Thread(target=self._execution, args=(log, n), daemon=True)
+            th.start()
+            self.threads.append(th)
+
+    def _execution(self, log: ExecutionLog, n_calls: int) -> None:
+        """An emulated harness execution: n calls, each followed by an environment turn."""
+        prompt: list[int] = [0] * 4
+        token_s = self.w.call_s / TOKENS_PER_CALL
+        for k in range(n_calls):
+            out = self.router.call(log.execution_id, CallRequest(f"{log.execution_id}/c0", list(prompt),
+                                                                TOKENS_PER_CALL, 1.0, token_s))
+            log.calls.append((len(prompt), out.ids, out.versions))
+            log.reroutes += out.reroutes
+            prompt += out.ids + [0] * 2          # the completion, then a short observation
+            time.sleep(self.w.env_s)
+        self.router.release(log.execution_id)
+        versions = [v for _, _, vs in log.calls for v in vs]
+        self.events.put((-1, ("finished", log.execution_id, log.burst, n_calls, min(versions, default=0))))
+
+    def _roles(self) -> None:
+        k = len(self.order)
+        want = sum(1 for i in self.order if self.cells[i].target == TRAIN)
+        d = decide(self.policy, Counters(k, self.cfg.capacity, self.dispatched, self.finished), want, self.now())
+        if d.train_after != want:
+            self.decisions.append(d)
+        for pos, i in enumerate(self.order):
+            self.cells[i].target = TRAIN if pos < d.train_after else ROLLOUT
+        for i in self.order:
+            c = self.cells[i]
+            if c.role == c.target or c.role == "switching" or c.busy:
+                continue                    # a training cell leaves at its micro-step boundary
+            if c.role == ROLLOUT:
+                self.router.close(i)        # its calls come back cancelled and are rerouted
+                cost = self.w.switch_to_train_s
+            else:
+                cost = self.w.switch_to_rollout_s
+            self.marks.append((i, self.now(), c.role, c.target))
+            c.switch_t0 = self.now()
+            self._set_role(c, "switching")
+            self._send(i, ("role", c.target, cost))
+
+    def _feed(self) -> None:
+        for i in self.order:
+            c = self.cells[i]
+            if c.role != TRAIN or c.target != TRAIN or c.busy:
+                continue
+            ms = self.stream.claim(i, self.version)
+            if ms is None:
+                return
+            c.busy, c.busy_t0 = True, self.now()
+            self._send(i, ("micro", ms.id, sum(self.w.train_s(n) for n in ms.payloads)))
+
+    def _update(self) -> None:
+        if self.updating or not self.stream.burst_done(self.version):
+            return
+        core = self.cells[self.order[0]]
+        if core.role != TRAIN or core.busy:
+            return
+        self.updating = core.busy = True
+        core.busy_t0 = self.now()
+        self._send(core.index, ("optim", self.version, self.w.optimizer_s + self.w.publish_s))
+
+    def _handle(self, cell: int, msg: tuple) -> None:
+        kind = msg[0]
+        if cell >= 0:
+            self.cells[cell].last_seen = time.monotonic()
+        if kind == "finished":
+            _, ex_id, burst, n_calls, min_version = msg
+            self.finished += 1
+            self.stream.add(ex_id, burst, n_calls, min_version)
+        elif kind == "role_done":
+            c = self.cells[cell]
+            if c.role == "dead":
+                return
+            self.switch_s[msg[1]].append(self.now() - c.switch_t0)
+            self._set_role(c, msg[1])
+            if msg[1] == ROLLOUT:
+                self.router.open(cell)
+        elif kind == "micro_done":
+            c = self.cells[cell]
+            self.stream.complete(msg[1], cell)
+            self.busy_spans.append(BusySpan(cell, c.busy_t0, self.now(), TRAIN))
+            c.busy = False
+        elif kind == "optim_done":
+            c = self.cells[cell]
+            self.busy_spans.append(BusySpan(cell, c.busy_t0, self.now(), TRAIN))
+            c.busy = self.updating = False
+            self.version = msg[1]
+            for i in self.order:
+                if i != cell:
+                    self._send(i, ("weights", self.version))
+        elif kind == "dead":
+            self._lose(cell, msg[1])
+
+    def _check_silence(self) -> None:
+        limit = self.cfg.cell_timeout_s
+        for i in list(self.order):
+            c = self.cells[i]
+            if time.monotonic() - c.last_seen > limit:
+                self._lose(i, f"silent for more than {limit:g} s")
+
+    def _maybe_kill(self) -> None:
+        if self.kill_cell_at and self.now() >= self.kill_cell_at[1]:
+            victim = self.cells[self.kill_cell_at[0]]
+            self.kill_cell_at = None
+            if victim.proc is not None:
+                victim.proc.kill()
+
+    def _lose(self, cell: int, why: str) -> None:
+        c = self.cells[cell]
+        if c.role == "dead":
+            return
+        was_core = self.order and self.order[0] == cell
+        if c.busy:
+            self.busy_spans.append(BusySpan(cell, c.busy_t0, self.now(), c.role))
+        self._set_role(c, "dead")
+        c.target, c.busy = "dead", False
+        self.order.remove(cell)
+        self.dead.append(cell)
+        rerouted = self.router.cell_lost(cell)
+        reclaimed = self.stream.reclaim(cell)
+        note = (f"cell {cell} lost ({why}) at {self.now():.1f} s: {rerouted} call(s) retried elsewhere, "
+                f"{len(reclaimed)} micro-step(s) reclaimed; continuing with {len(self.order)} cell(s)")
+        if was_core and self.order:
+            # the update's accumulated gradients lived on the core: the burst is trained again on the
+            # new core, which starts from the last published weights
+            redo = self.stream.reset_burst(self.version)
+            self.updating = False
+            note += f"; cell {self.order[0]} is the new core ({redo} micro-step(s) of step {self.version} redone)"
+        self.notes.append(note)
+        print(f"gyre elastic: {note}", file=sys.stderr, flush=True)
+        if not self.order:
+            raise RuntimeError(f"gyre elastic: every cell is lost (last: cell {cell}, {why})")
+
+    def _shutdown(self) -> None:
+        for i in self.order:
+            self._send(i, ("stop",))
+        for c in self.cells.values():
+            if c.role != "dead":
+                self._set_role(c, c.role)   # close the open span
+            if c.proc is not None:
+                try:
+                    c.proc.wait(timeout=10)
+                except subprocess.TimeoutExpired:
+                    c.proc.kill()
+        for th in self.threads:
+            th.join(timeout=1)
+
+    def _result(self, wall: float) -> ElasticResult:
+        k = self.cfg.cells
+        mean = lambda xs: sum(xs) / len(xs) if xs else None   # noqa: E731
+        return ElasticResult(
+            policy=self.policy.name, mode=self.cfg.mode, k=k, steps=self.w.steps, wall_s=wall,
+            step_s=wall / max(self.w.steps, 1), busy=busy_fractions(self.role_spans, self.busy_spans, k, wall),
+            switch_s_rollout_to_train=mean(self.switch_s[TRAIN]), switch_s_train_to_rollout=mean(self.switch_s[ROLLOUT]),
+            switches=len(self.marks), reroutes=self.router.reroutes, dead_cells=list(self.dead),
+            stale_dropped=self.stream.dropped_stale, decisions=self.decisions, role_spans=self.role_spans,
+            busy_spans=self.busy_spans, switch_marks=self.marks, executions=self.logs, notes=self.notes)
+
+
+def available_devices(ecfg: ElasticConfig) -> tuple[int, str]:
+    """(how many devices real cells can own, what they are): `elastic.devices`, else the GPUs torch
+    sees (CUDA_VISIBLE_DEVICES applies), else this machine's CPU cores."""
+    if ecfg.devices is not None:
+        return ecfg.devices, "devices (elastic.devices)"
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            return torch.cuda.device_count(), "GPUs"
+    except ImportError:
+        pass
+    return os.cpu_count() or 1, "CPU cores"
+
+
+def check_fleet(ecfg: ElasticConfig) -> None:
+    """Refuse, before anything starts, a real fleet that needs more devices than there are."""
+    if ecfg.mode != "real":
+        return
+    have, what = available_devices(ecfg)
+    need = ecfg.cells * ecfg.devices_per_cell
+    if need > have:
+        raise ConfigError(f"elastic.cells: {ecfg.cells} real cells × {ecfg.devices_per_cell} device(s) each need "
+                          f"{need} {what}, but {have} are available; use fewer cells, or elastic.mode=emulated")
+
+
+def run_elastic(ecfg: ElasticConfig, workload: Workload, **kw) -> ElasticResult:
+    """Start `ecfg.cells` agents, run `workload` under `ecfg.policy`, stop them, return the measurements."""
+    check_fleet(ecfg)
+    if ecfg.mode != "emulated":
+        raise NotImplementedError("gyre elastic: only elastic.mode=emulated runs through this coordinator so far")
+    return Coordinator(ecfg, workload, **kw).run()
