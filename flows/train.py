@@ -22,7 +22,9 @@ def train(preset: str = "default", overrides: list[str] | None = None, steps: in
     run_dir = rl.prepare(preset, overrides)
     rl.warm_start(run_dir)
     rl.evaluate(run_dir, "before")
-    for step in range(cfg.rl.steps):
+    if cfg.elastic.enabled:                        # the same steps, streamed across K cell agents
+        rl.elastic(run_dir)
+    for step in range(0 if cfg.elastic.enabled else cfg.rl.steps):
         rl.rollout(run_dir, step)
         rl.score(run_dir, step)
         rl.process(run_dir, step)

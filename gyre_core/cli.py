@@ -4,6 +4,7 @@
     gyre sql "SELECT status, count(*) FROM executions GROUP BY 1" [--run RUN] [--format table|csv|json]
     gyre bench engine [--json]
     gyre bench processor [--json] [--quick]
+    gyre sim [--profile laptop|paper-122b|paper-2.4t] [--set k=8 ...] [--policy all] [--async-split best] [--json]
     gyre presets
 
 Config errors print one line naming the field and exit with code 2, before anything is written.
@@ -103,6 +104,45 @@ def _run_bench(args):
     return result
 
 
+def cmd_sim(args) -> int:
+    """Simulate colocated / async / elastic on a profile's fleet and workload (`gyre_core.elastic.sim`)."""
+    import dataclasses
+
+    from .elastic.profiles import get_profile, with_overrides, workload_from_trace
+    from .elastic.sim import POLICIES, compare_results, format_comparison, write_timelines
+
+    try:
+        prof = get_profile(args.profile)
+        if args.trace_json:
+            with open(args.trace_json) as f:
+                calls = json.load(f)
+            if not isinstance(calls, list):
+                raise ValueError(f"{args.trace_json}: expected a JSON list of calls per execution")
+            base = prof.workload_fields(exclude=("max_calls", "name"))
+            name = f"trace:{os.path.basename(args.trace_json)}"
+            prof = dataclasses.replace(prof, workload=workload_from_trace(calls, name=name, **base))
+        prof = with_overrides(prof, list(args.set or []))
+        policies = POLICIES if args.policy == "all" else (args.policy,)
+        if args.async_split != "best" and not args.async_split.isdigit():
+            raise ValueError(f"--async-split must be a number of train cells or `best`, got {args.async_split!r}")
+        split = args.async_split if args.async_split == "best" else int(args.async_split)
+        cmp = compare_results(prof.workload, prof.k, prof.capacity, prof.max_staleness, split,
+                              prof.micro_step_executions, policies)
+    except (ValueError, OSError) as exc:     # json.JSONDecodeError is a ValueError
+        print(f"gyre sim: {exc}", file=sys.stderr)
+        return 2
+    pngs = {} if args.no_png else write_timelines(cmp, args.png or os.path.join("data", "sim"), prof.name)
+    if args.json:
+        out = cmp.to_dict()
+        out.update(profile=prof.to_dict(), pngs=pngs)
+        print(json.dumps(out))
+    else:
+        print(format_comparison(cmp, f"profile {prof.name} ({prof.devices_per_cell} device(s) a cell)", prof.paper))
+        for name, path in pngs.items():
+            print(f"timeline ({name}): {path}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     _env_defaults()
     p = argparse.ArgumentParser(prog="gyre", description="Train LLM agents with online RL.")
@@ -125,6 +165,17 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("--json", action="store_true", help="one line of JSON")
     b.add_argument("--quick", action="store_true", help="fewer repetitions and a smaller workload")
     b.set_defaults(fn=cmd_bench)
+    sm = sub.add_parser("sim", help="simulate colocated / async / elastic scheduling on a fleet")
+    sm.add_argument("--profile", default="laptop", help="laptop | paper-122b | paper-2.4t")
+    sm.add_argument("--set", action="append", metavar="KEY=VALUE",
+                    help="fleet (k, capacity, micro_step_executions, max_staleness) or workload field, e.g. call_s=20")
+    sm.add_argument("--policy", default="all", choices=("all", "colocated", "async", "elastic"))
+    sm.add_argument("--async-split", default="best", help="train cells for async, or `best` to sweep 1..K−1")
+    sm.add_argument("--trace-json", default=None, help="JSON list of calls per execution to resample")
+    sm.add_argument("--json", action="store_true", help="one line of JSON")
+    sm.add_argument("--png", default=None, help="directory (default data/sim) or file.png for the timelines")
+    sm.add_argument("--no-png", action="store_true", help="skip the timeline pictures")
+    sm.set_defaults(fn=cmd_sim)
     ps = sub.add_parser("presets", help="list config presets")
     ps.set_defaults(fn=lambda a: print("\n".join(__import__("gyre_core.config", fromlist=["presets"]).presets())) or 0)
     args = p.parse_args(argv)

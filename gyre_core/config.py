@@ -67,6 +67,8 @@ class EnvConfig(_Section):
     """First environment seed used for training tasks; training seeds count up from here."""
     eval_seed_start: int = Field(1_000_000_000, ge=0)
     """First held-out seed. Evaluation seeds never overlap training seeds."""
+    latency_s: float = Field(0.0, ge=0)
+    """Extra seconds added to every environment step, as a sandboxed tool's round trip would (benchmarks)."""
 
 
 class HarnessConfig(_Section):
@@ -212,6 +214,9 @@ class TrainerConfig(_Section):
 class ElasticConfig(_Section):
     """How devices are split between rollout and training (issue 5; `gyre_core.elastic`)."""
 
+    enabled: bool = False
+    """Run the RL phase on K cell agents under `policy` (`gyre_core.elastic`); False: the step-by-step loop
+    in one process (rollout → score → process → train → publish; what `colocated` does on one cell)."""
     policy: Literal["colocated", "async", "elastic"] = "elastic"
     """`colocated`: all cells roll out, then all train; `async`: a fixed split, rollout runs ahead within
     `max_staleness`; `elastic`: the waterlevel rule moves cells between roles while executions run."""
@@ -234,6 +239,8 @@ class ElasticConfig(_Section):
     """Finished executions per streamed micro-step."""
     cell_timeout_s: float = Field(30.0, gt=0)
     """A cell agent silent for this long is declared dead: its calls are retried, its micro-steps reclaimed."""
+    start_timeout_s: float = Field(300.0, gt=0)
+    """How long the coordinator waits for every cell agent to connect (loading a model can take a while)."""
 
     @model_validator(mode="after")
     def _workable(self):

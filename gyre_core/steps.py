@@ -27,9 +27,11 @@ from .ui import phase
 
 
 def _env_factory(run: RunDir):
-    from .envs import load_env
+    from .envs import LatencyEnv, load_env
 
     cfg = run.cfg.env
+    if cfg.latency_s > 0:
+        return lambda: LatencyEnv(load_env(cfg.target, **cfg.kwargs), cfg.latency_s)
     return lambda: load_env(cfg.target, **cfg.kwargs)
 
 
@@ -268,6 +270,8 @@ CONTROL_VERSION = -3   # policy_version recorded for the control's evaluation (n
 
 def rl_wall_s(run: RunDir) -> float:
     """Seconds the RL steps took (rollout, score, process, train, publish; all steps, across resumes)."""
+    if (m := run.done("elastic")) is not None:
+        return m["wall_s"]
     total = 0.0
     for v in range(1, latest_version(run) + 1):
         m = run.done(f"publish_{v:04d}")["metrics"]
@@ -615,6 +619,63 @@ def step_metrics(run: RunDir, step: int) -> dict[str, float]:
         "time/rollout_s": ro.get("rollout_s", 0.0), "time/score_s": sc.get("score_s", 0.0),
         "time/process_s": pr.get("process_s", 0.0), "time/train_s": tr.get("train_s", 0.0),
     }
+
+
+# ----------------------------------------------------------------------------------------------
+# the RL phase on cell agents (elastic.enabled): the same steps, streamed across K cells
+
+
+def elastic_rl(run_dir: str) -> dict:
+    """All RL steps at once on `elastic.cells` cell agents under `elastic.policy` (see `gyre_core.elastic`).
+
+    Rollout, scoring and training overlap here, so there are no per-phase markers: the cells publish
+    every version into the run's weights, and when the run ends each version gets its `publish_` marker,
+    each step's executions land in the lake as the step-by-step loop writes them, and MLflow gets the
+    per-step metrics, the role timeline, the busy fractions and the controller's decisions. A crash
+    redoes the elastic phase from the warm start."""
+    run = RunDir.open(run_dir)
+    if (m := run.done("elastic")) is not None:
+        return m
+    import json
+
+    from .elastic.runtime import run_elastic
+    from .elastic.work import HarnessWork
+
+    cfg = run.cfg
+    if run.done("warm_start") is None:
+        raise CheckpointError("elastic_rl: the warm start is not done; run warm_start first")
+    work = HarnessWork(run_dir, cfg.rl.steps)
+    with phase(f"elastic RL: {cfg.rl.steps} steps on {cfg.elastic.cells} {cfg.elastic.mode} cells "
+               f"({cfg.elastic.policy})", cfg.rl.steps) as tick:
+        res = run_elastic(cfg.elastic, work, on_version=lambda v: tick())
+    by_step: dict[int, list] = {}
+    for r in work.records:
+        by_step.setdefault(r.step, []).append(r)
+    t = tracker(run)
+    for step in range(cfg.rl.steps):
+        recs = by_step.get(step, [])
+        _write_records(run, f"step={step}", recs)
+        n = max(len(recs), 1)
+        metrics = {"rollout/success": sum(r.success for r in recs) / n,
+                   "rollout/partial": sum(r.partial for r in recs) / n,
+                   "reward/mean": sum(r.reward for r in recs) / n,
+                   "rollout/failed": sum(r.status == "failed" for r in recs),
+                   "tokens/generated": sum(r.tokens_generated for r in recs),
+                   "time/elastic_step_s": res.step_s}
+        t.log_metrics(metrics, step)
+        run.mark(f"publish_{step + 1:04d}", {"uri": run.weights_uri(step + 1), "metrics": metrics})
+    summary = {k: v for k, v in res.to_dict().items() if k != "decisions"}
+    t.log_metrics({f"elastic/busy_{k}": v for k, v in res.busy.items() if v is not None}
+                  | {"elastic/step_s": res.step_s, "elastic/switches": res.switches,
+                     "elastic/reroutes": res.reroutes, "elastic/stale_dropped": res.stale_dropped}, 0)
+    out = run.path / "elastic"
+    out.mkdir(exist_ok=True)
+    res.plot(str(out / "role_timeline.png"))
+    (out / "decisions.json").write_text(json.dumps([d.to_dict() for d in res.decisions], indent=1))
+    (out / "summary.json").write_text(json.dumps(summary, indent=1))
+    for f in ("role_timeline.png", "decisions.json", "summary.json"):
+        t.log_artifact(out / f, "elastic")
+    return run.mark("elastic", summary)
 
 
 def tracker(run: RunDir):

@@ -50,6 +50,11 @@ def publish(run_dir: str, step: int) -> str:
     return steps.publish(run_dir, step)
 
 
+@task(name="elastic-rl", retries=1)
+def elastic(run_dir: str) -> dict:
+    return steps.elastic_rl(run_dir)
+
+
 @task(name="control", retries=1)
 def control(run_dir: str) -> dict:
     return steps.control(run_dir)

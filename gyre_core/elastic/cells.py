@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from multiprocessing.connection import Client, Connection
@@ -87,8 +88,144 @@ class EmulatedDevice:
                 finished.append(g)
         return finished
 
-    def work(self, seconds: float) -> None:
+    def finish_reason(self, g: _Gen) -> str:
+        return "length"
+
+    def release(self, key: str) -> None:
+        pass
+
+    def switch(self, role: str, seconds: float) -> None:
         time.sleep(max(seconds, 0.0))
+
+    def micro(self, seconds: float):
+        time.sleep(max(seconds, 0.0))
+        return None                      # no gradient to hand over
+
+    def optim(self, version: int, seconds: float) -> None:
+        time.sleep(max(seconds, 0.0))
+        self.version = version + 1
+
+    def add_grads(self, grads) -> None:
+        pass
+
+    def set_version(self, version: int) -> None:
+        self.version = version
+
+
+class RealDevice:
+    """The cell's model, shared by its engine (rollout) and its trainer (train) — one copy per device,
+    as on a GPU. Rollout decodes one token for every live call per forward (with the engine's per-context
+    KV cache); training runs streamed micro-steps with decoupled PPO. A satellite hands each micro-step's
+    gradient to the coordinator, which forwards it to the core; the core applies the update and
+    publishes the next version, which the others load at their next token or micro-step boundary."""
+
+    label = "real"
+
+    def __init__(self, cell: int, policy_dir: str, weights_root: str, train: dict, seed: int) -> None:
+        from ..engine import LocalEngine
+        from ..model import load_policy, stop_token_ids
+
+        self.cell, self.weights_root, self.train_kw = cell, weights_root.rstrip("/"), dict(train)
+        model, tok = load_policy(policy_dir)
+        self.pad_id = tok.pad_token_id or 0
+        self.engine = LocalEngine(model, stop_token_ids(model, tok), version=0, seed=seed * 1_000_003 + cell)
+        self.stops = set(self.engine.stop_ids)
+        self.trainer = None
+        self._trainer()           # both roles stay resident (as on a GPU): a switch moves no weights
+        self.version = 0          # the weights this cell computes with
+        self.published = 0        # the newest version the core has published
+
+    # -- weights ---------------------------------------------------------------------------------
+    def set_version(self, version: int) -> None:
+        self.published = max(self.published, version)
+
+    def _sync(self) -> None:
+        """At a boundary: take the newest published weights (a consistent snapshot, read whole)."""
+        if self.published <= self.version:
+            return
+        from ..trainer.publish import load_weights
+
+        state = load_weights(f"{self.weights_root}/v{self.published}.safetensors")
+        self.engine.set_weights(state, self.published)   # copies into the shared model; drops stale K/V
+        self.version = self.published
+
+    def _trainer(self):
+        if self.trainer is None:
+            from ..trainer.engine import Trainer
+
+            kw = self.train_kw
+            self.trainer = Trainer(self.engine.model, lr=kw["lr"], zero_stage=kw["zero_stage"],
+                                   grad_clip=kw["grad_clip"], pad_id=self.pad_id)
+        return self.trainer
+
+    # -- rollout ---------------------------------------------------------------------------------
+    def start(self, g: "_Gen", now: float) -> None:
+        pass
+
+    def due(self, gens: list["_Gen"]) -> float | None:
+        return 0.0 if gens else None     # always ready for the next token
+
+    def advance(self, gens: list["_Gen"], now: float) -> list["_Gen"]:
+        """One token for every live call (one batched forward)."""
+        if not gens:
+            return []
+        from ..engine import GenRequest as EngineRequest
+
+        self._sync()
+        outs = self.engine.generate([EngineRequest(g.req.key, g.req.prompt_ids + g.ids, 1, g.req.temperature)
+                                     for g in gens])
+        finished = []
+        for g, o in zip(gens, outs):
+            g.ids += o.completion_ids
+            g.logprobs += o.logprobs
+            g.versions += [self.version] * len(o.completion_ids)
+            if (g.ids and g.ids[-1] in self.stops) or len(g.ids) >= g.req.max_new_tokens:
+                finished.append(g)
+        return finished
+
+    def finish_reason(self, g: "_Gen") -> str:
+        return "stop" if g.ids and g.ids[-1] in self.stops else "length"
+
+    def release(self, key: str) -> None:
+        self.engine.release(key)
+
+    # -- roles and training -----------------------------------------------------------------------
+    def switch(self, role: str, seconds: float) -> None:
+        """Real work of a switch: to train, drop the KV caches and have the trainer ready; to rollout,
+        take the newest weights (the caches are rebuilt on demand)."""
+        if role == "train":
+            self.engine._contexts.clear()
+            self._trainer()
+        self._sync()
+
+    def micro(self, ms):
+        from .stream import train_micro_step
+
+        self._sync()
+        tr, kw = self._trainer(), self.train_kw
+        train_micro_step(tr, ms, max_tokens=kw["micro_batch_tokens"], objective="decoupled",
+                         temperature=kw["temperature"], clip_low=kw["clip_low"], clip_high=kw["clip_high"],
+                         is_cap=kw["is_cap"], negative_scale=kw["negative_scale"])
+        if self.cell_is_core:
+            return None
+        grads = tr.gradients()          # a satellite: hand the gradient over, start clean
+        tr.zero_gradients()
+        return grads
+
+    cell_is_core = False
+
+    def add_grads(self, grads) -> None:
+        self._trainer().add_gradients(grads)
+
+    def optim(self, version: int, n_executions: int) -> None:
+        from ..trainer.publish import publish_weights
+        from .stream import finish_step
+
+        tr = self._trainer()
+        finish_step(tr, n_executions)
+        publish_weights(tr.state_dict(), f"{self.weights_root}/v{version + 1}.safetensors")
+        self.engine._contexts.clear()
+        self.engine.version = self.version = self.published = version + 1
 
 
 class Agent:
@@ -96,32 +233,48 @@ class Agent:
         self.cell, self.conn, self.device = cell, conn, device
         self.role = "rollout"
         self.gens: dict[int, _Gen] = {}
-        self.last_beat = 0.0
+        self._send_lock = threading.Lock()
+        self._stopped = threading.Event()
 
     def send(self, *msg) -> None:
-        self.conn.send(msg)
+        with self._send_lock:
+            self.conn.send(msg)
+
+    def _heartbeat(self) -> None:
+        """Beats from their own thread, so a long micro-step or update does not look like a dead cell."""
+        while not self._stopped.wait(HEARTBEAT_S):
+            try:
+                self.send("beat", time.time())
+            except (OSError, EOFError):
+                return
 
     def _finish(self, g: _Gen, reason: str) -> None:
         self.gens.pop(g.call_id, None)
+        if reason == "cancelled":        # the context moves to another cell: its K/V here are dead weight
+            self.device.release(g.req.key)
         self.send("done", g.call_id, g.ids, g.logprobs, g.versions, reason)
 
     def serve(self) -> None:
         self.send("hello", self.cell, os.getpid(), self.device.label)
+        threading.Thread(target=self._heartbeat, daemon=True).start()
+        try:
+            self._loop()
+        finally:
+            self._stopped.set()
+
+    def _loop(self) -> None:
         while True:
             now = time.monotonic()
-            if now - self.last_beat >= HEARTBEAT_S:
-                self.send("beat", time.time())
-                self.last_beat = now
             due = self.device.due(list(self.gens.values()))
             timeout = HEARTBEAT_S if due is None else max(0.0, min(due - now, HEARTBEAT_S))
             if self.conn.poll(timeout):
                 if not self._handle(self.conn.recv()):
                     return
             for g in self.device.advance(list(self.gens.values()), time.monotonic()):
-                self._finish(g, "length")
+                self._finish(g, self.device.finish_reason(g))
 
     def _handle(self, msg: tuple) -> bool:
-        kind = msg[0]
+        kind, t0 = msg[0], time.monotonic()
         if kind == "gen":
             _, call_id, req = msg
             if self.role != "rollout":   # raced with a role change: hand it straight back
@@ -129,33 +282,30 @@ class Agent:
                 return True
             g = _Gen(call_id, req)
             self.gens[call_id] = g
-            self.device.start(g, time.monotonic())
+            self.device.start(g, t0)
         elif kind == "cancel":
             g = self.gens.get(msg[1])
             if g is not None:
-                self.device.advance([g], time.monotonic())
                 self._finish(g, "cancelled")
         elif kind == "role":
             _, role, switch_s = msg
-            t0 = time.monotonic()
             for g in list(self.gens.values()):   # drain: calls still here go back to the router
                 self._finish(g, "cancelled")
-            self.device.work(switch_s)
+            self.device.switch(role, switch_s)
             self.role = role
             self.send("role_done", role, time.monotonic() - t0)
         elif kind == "micro":
-            _, ms_id, seconds = msg
-            t0 = time.monotonic()
-            self.device.work(seconds)
-            self.send("micro_done", ms_id, time.monotonic() - t0)
+            grads = self.device.micro(msg[2])
+            self.send("micro_done", msg[1], time.monotonic() - t0, grads)
+        elif kind == "grads":            # the core: a satellite's gradient for this step
+            self.device.add_grads(msg[1])
         elif kind == "optim":
-            _, version, seconds = msg
-            t0 = time.monotonic()
-            self.device.work(seconds)
-            self.device.version = version + 1
-            self.send("optim_done", version + 1, time.monotonic() - t0)
+            self.device.optim(msg[1], msg[2])
+            self.send("optim_done", msg[1] + 1, time.monotonic() - t0)
         elif kind == "weights":
-            self.device.version = msg[1]
+            self.device.set_version(msg[1])
+        elif kind == "core":             # this cell now holds the optimizer (the old core was lost)
+            self.device.cell_is_core = True
         elif kind == "stop":
             return False
         else:
@@ -168,16 +318,33 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--cell", type=int, required=True)
     ap.add_argument("--coordinator", required=True, help="HOST:PORT the coordinator listens on")
     ap.add_argument("--authkey-env", default="GYRE_CELL_KEY", help="environment variable holding the key")
-    ap.add_argument("--mode", choices=["emulated"], default="emulated")
-    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--mode", choices=["emulated", "real"], default="emulated")
+    ap.add_argument("--threads", type=int, default=1, help="torch threads (a CPU cell's device budget)")
+    ap.add_argument("--policy", help="real: the HF model directory the cell starts from")
+    ap.add_argument("--weights", help="real: where versions are published (v<N>.safetensors)")
+    ap.add_argument("--train-json", default="{}", help="real: trainer settings (lr, clip, ...) as JSON")
+    ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
     host, port = args.coordinator.rsplit(":", 1)
     key = os.environ.get(args.authkey_env, "").encode()
     if not key:
         print(f"gyre cell: ${args.authkey_env} is empty; the coordinator sets it", file=sys.stderr)
         return 2
+    if args.mode == "real":
+        import json
+
+        import torch
+
+        torch.set_num_threads(args.threads)
+        if not (args.policy and args.weights):
+            print("gyre cell: --mode real needs --policy and --weights", file=sys.stderr)
+            return 2
+        device = RealDevice(args.cell, args.policy, args.weights, json.loads(args.train_json), args.seed)
+        device.cell_is_core = args.cell == 0
+    else:
+        device = EmulatedDevice()
     conn = Client((host, int(port)), authkey=key)
-    Agent(args.cell, conn, EmulatedDevice()).serve()
+    Agent(args.cell, conn, device).serve()
     conn.close()
     return 0
 

@@ -29,25 +29,13 @@ from dataclasses import dataclass, field
 from multiprocessing.connection import Listener
 
 from ..config import ConfigError, ElasticConfig
-from .cells import CallRequest, emulated_token  # noqa: F401  (re-exported for tests)
+from .cells import emulated_token  # noqa: F401  (re-exported for tests)
 from .controller import ROLLOUT, TRAIN, Counters, Decision, decide, make_policy
 from .router import Router
 from .stream import MicroStepQueue
 from .timeline import BusySpan, RoleSpan, busy_fractions
+from .work import TOKENS_PER_CALL, EmulatedWork, ExecutionLog, HarnessWork  # noqa: F401
 from .workload import Workload
-
-TOKENS_PER_CALL = 8   # emulated calls: tokens generated per call (call_s is spread over them)
-
-
-@dataclass(slots=True)
-class ExecutionLog:
-    """What one emulated execution got back: its calls' tokens and per-token versions (TITO)."""
-
-    execution_id: str
-    burst: int
-    calls: list[tuple[int, list[int], list[int]]] = field(default_factory=list)   # (prompt_len, ids, versions)
-    reroutes: int = 0
-
 
 @dataclass(slots=True)
 class _CellState:
@@ -85,6 +73,14 @@ class ElasticResult:
     switch_marks: list[tuple[int, float, str, str]]
     executions: list[ExecutionLog]
     notes: list[str]
+    load: list[tuple[float, int]] = field(default_factory=list)
+
+    def plot(self, path: str) -> str:
+        """The role timeline of this run as a PNG (cells × time by role, switch ticks, w(t) below)."""
+        from .timeline import plot_timeline
+
+        return plot_timeline(path, self.role_spans, self.busy_spans, self.switch_marks,
+                             f"{self.policy} ({self.mode}, K = {self.k})", self.decisions, self.load)
 
     def to_dict(self) -> dict:
         return {"policy": self.policy, "mode": self.mode, "k": self.k, "steps": self.steps,
@@ -96,9 +92,13 @@ class ElasticResult:
 
 
 class Coordinator:
-    def __init__(self, ecfg: ElasticConfig, workload: Workload, *, kill_cell_at: tuple[int, float] | None = None,
-                 policy=None):
-        self.cfg, self.w = ecfg, workload
+    def __init__(self, ecfg: ElasticConfig, work, *, kill_cell_at: tuple[int, float] | None = None,
+                 policy=None, on_version=None):
+        """`work`: an `EmulatedWork` or a `HarnessWork` (or a `Workload`, emulated); `on_version(v)` is
+        called as each version is published (progress)."""
+        self.on_version = on_version
+        self.cfg = ecfg
+        self.work = EmulatedWork(work) if isinstance(work, Workload) else work
         self.policy = policy or make_policy(ecfg.policy, ecfg.async_train_cells)
         self.staleness = 0 if ecfg.policy == "colocated" else ecfg.max_staleness
         self.events: queue.Queue = queue.Queue()
@@ -116,10 +116,10 @@ class Coordinator:
         self.busy_spans: list[BusySpan] = []
         self.marks: list[tuple[int, float, str, str]] = []
         self.switch_s: dict[str, list[float]] = {TRAIN: [], ROLLOUT: []}
-        self.logs: list[ExecutionLog] = []
         self.threads: list[threading.Thread] = []
         self.notes: list[str] = []
         self.dead: list[int] = []
+        self.load: list[tuple[float, int]] = []   # (t, unfinished executions) at every dispatch and finish
         self.kill_cell_at = kill_cell_at     # tests: (cell, seconds) SIGKILLs a cell mid-run
 
     # -- clock and records ---------------------------------------------------------------------
@@ -160,15 +160,44 @@ class Coordinator:
         listener = Listener(("127.0.0.1", 0), authkey=key.encode())
         host, port = listener.address
         env = dict(os.environ, GYRE_CELL_KEY=key, OMP_NUM_THREADS=str(self.cfg.devices_per_cell))
+        for var in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK"):
+            env.pop(var, None)    # each cell's trainer is its own process group (this one's port is taken)
         procs = []
         for i in range(self.cfg.cells):
             cmd = [sys.executable, "-m", "gyre_core.elastic.cells", "--cell", str(i),
-                   "--coordinator", f"{host}:{port}", "--mode", self.cfg.mode,
-                   "--threads", str(self.cfg.devices_per_cell)]
+                   "--coordinator", f"{host}:{port}", "--threads", str(self.cfg.devices_per_cell),
+                   *self.work.cell_args()]
             procs.append(subprocess.Popen(cmd, env=env))
-        for _ in range(self.cfg.cells):
-            conn = listener.accept()
-            hello = conn.recv()
+        arrived: queue.Queue = queue.Queue()
+
+        def accept() -> None:
+            for _ in range(self.cfg.cells):
+                try:
+                    conn = listener.accept()
+                    arrived.put((conn, conn.recv()))
+                except (OSError, EOFError) as e:
+                    arrived.put((None, e))
+                    return
+        threading.Thread(target=accept, daemon=True).start()
+        deadline = time.monotonic() + self.cfg.start_timeout_s
+        while len(self.cells) < self.cfg.cells:
+            try:
+                conn, hello = arrived.get(timeout=0.2)
+            except queue.Empty:
+                failed = [(i, p.returncode) for i, p in enumerate(procs) if p.poll() is not None]
+                late = time.monotonic() > deadline
+                if failed or late:
+                    for p in procs:
+                        if p.poll() is None:
+                            p.kill()
+                    listener.close()
+                    why = (", ".join(f"cell {i} exited with status {rc}" for i, rc in failed) if failed else
+                           f"only {len(self.cells)} of {self.cfg.cells} cells connected within "
+                           f"{self.cfg.start_timeout_s:g} s (elastic.start_timeout_s)")
+                    raise RuntimeError(f"gyre elastic: cell agents failed to start: {why}")
+                continue
+            if conn is None:
+                raise RuntimeError(f"gyre elastic: accepting cell agents failed: {hello}")
             idx = hello[1]
             self.cells[idx] = _CellState(idx, conn, procs[idx], last_seen=time.monotonic())
         listener.close()
@@ -196,7 +225,7 @@ class Coordinator:
         for i in self.order:
             self.router.open(i)
         try:
-            while self.version < self.w.steps:
+            while self.version < self.work.steps:
                 self._rules()
                 self._check_silence()
                 self._maybe_kill()
@@ -218,33 +247,20 @@ class Coordinator:
 
     def _dispatch(self) -> None:
         s = self.next_burst
-        if s >= self.w.steps or self.version < s - self.staleness:
+        if s >= self.work.steps or self.version < s - self.staleness:
             return
         self.next_burst += 1
-        calls = self.w.calls(s)
-        self.stream.open_burst(s, len(calls))
-        self.dispatched += len(calls)
-        for i, n in enumerate(calls):
-            log = ExecutionLog(f"b{s}/e{i}", s)
-            self.logs.append(log)
-            th = threading.Thread(target=self._execution, args=(log, n), daemon=True)
+        n = self.work.burst_size(s)
+        self.stream.open_burst(s, n)
+        self.dispatched += n
+        self.load.append((self.now(), self.dispatched - self.finished))
+        for th in self.work.start_burst(s, self.router, self._report):
             th.start()
             self.threads.append(th)
 
-    def _execution(self, log: ExecutionLog, n_calls: int) -> None:
-        """An emulated harness execution: n calls, each followed by an environment turn."""
-        prompt: list[int] = [0] * 4
-        token_s = self.w.call_s / TOKENS_PER_CALL
-        for k in range(n_calls):
-            out = self.router.call(log.execution_id, CallRequest(f"{log.execution_id}/c0", list(prompt),
-                                                                TOKENS_PER_CALL, 1.0, token_s))
-            log.calls.append((len(prompt), out.ids, out.versions))
-            log.reroutes += out.reroutes
-            prompt += out.ids + [0] * 2          # the completion, then a short observation
-            time.sleep(self.w.env_s)
-        self.router.release(log.execution_id)
-        versions = [v for _, _, vs in log.calls for v in vs]
-        self.events.put((-1, ("finished", log.execution_id, log.burst, n_calls, min(versions, default=0))))
+    def _report(self, burst: int, items: list) -> None:
+        """An execution ended (harness thread): count it; stream what is ready to train."""
+        self.events.put((-1, ("finished", burst, items)))
 
     def _roles(self) -> None:
         k = len(self.order)
@@ -260,9 +276,9 @@ class Coordinator:
                 continue                    # a training cell leaves at its micro-step boundary
             if c.role == ROLLOUT:
                 self.router.close(i)        # its calls come back cancelled and are rerouted
-                cost = self.w.switch_to_train_s
+                cost = self.work.switch_to_train_s
             else:
-                cost = self.w.switch_to_rollout_s
+                cost = self.work.switch_to_rollout_s
             self.marks.append((i, self.now(), c.role, c.target))
             c.switch_t0 = self.now()
             self._set_role(c, "switching")
@@ -277,7 +293,7 @@ class Coordinator:
             if ms is None:
                 return
             c.busy, c.busy_t0 = True, self.now()
-            self._send(i, ("micro", ms.id, sum(self.w.train_s(n) for n in ms.payloads)))
+            self._send(i, ("micro", ms.id, self.work.micro_work(ms)))
 
     def _update(self) -> None:
         if self.updating or not self.stream.burst_done(self.version):
@@ -287,16 +303,22 @@ class Coordinator:
             return
         self.updating = core.busy = True
         core.busy_t0 = self.now()
-        self._send(core.index, ("optim", self.version, self.w.optimizer_s + self.w.publish_s))
+        n = self.stream.trained_executions(self.version)
+        self._send(core.index, ("optim", self.version, self.work.optim_work(self.version, n)))
 
     def _handle(self, cell: int, msg: tuple) -> None:
         kind = msg[0]
         if cell >= 0:
             self.cells[cell].last_seen = time.monotonic()
         if kind == "finished":
-            _, ex_id, burst, n_calls, min_version = msg
+            _, burst, items = msg
             self.finished += 1
-            self.stream.add(ex_id, burst, n_calls, min_version)
+            self.load.append((self.now(), self.dispatched - self.finished))
+            for ex_id, payload, versions in items:
+                if versions:
+                    self.stream.add(ex_id, burst, payload, versions)
+                else:
+                    self.stream.discard(ex_id, burst, "nothing trainable (failed, or no generated token)")
         elif kind == "role_done":
             c = self.cells[cell]
             if c.role == "dead":
@@ -307,6 +329,8 @@ class Coordinator:
                 self.router.open(cell)
         elif kind == "micro_done":
             c = self.cells[cell]
+            if len(msg) > 3 and msg[3] is not None and self.order and cell != self.order[0]:
+                self._send(self.order[0], ("grads", msg[3]))   # a satellite's gradient, to the core
             self.stream.complete(msg[1], cell)
             self.busy_spans.append(BusySpan(cell, c.busy_t0, self.now(), TRAIN))
             c.busy = False
@@ -315,6 +339,8 @@ class Coordinator:
             self.busy_spans.append(BusySpan(cell, c.busy_t0, self.now(), TRAIN))
             c.busy = self.updating = False
             self.version = msg[1]
+            if self.on_version is not None:
+                self.on_version(self.version)
             for i in self.order:
                 if i != cell:
                     self._send(i, ("weights", self.version))
@@ -355,6 +381,7 @@ class Coordinator:
             # new core, which starts from the last published weights
             redo = self.stream.reset_burst(self.version)
             self.updating = False
+            self._send(self.order[0], ("core",))
             note += f"; cell {self.order[0]} is the new core ({redo} micro-step(s) of step {self.version} redone)"
         self.notes.append(note)
         print(f"gyre elastic: {note}", file=sys.stderr, flush=True)
@@ -379,12 +406,13 @@ class Coordinator:
         k = self.cfg.cells
         mean = lambda xs: sum(xs) / len(xs) if xs else None   # noqa: E731
         return ElasticResult(
-            policy=self.policy.name, mode=self.cfg.mode, k=k, steps=self.w.steps, wall_s=wall,
-            step_s=wall / max(self.w.steps, 1), busy=busy_fractions(self.role_spans, self.busy_spans, k, wall),
+            policy=self.policy.name, mode=self.work.mode, k=k, steps=self.work.steps, wall_s=wall,
+            step_s=wall / max(self.work.steps, 1), busy=busy_fractions(self.role_spans, self.busy_spans, k, wall),
             switch_s_rollout_to_train=mean(self.switch_s[TRAIN]), switch_s_train_to_rollout=mean(self.switch_s[ROLLOUT]),
             switches=len(self.marks), reroutes=self.router.reroutes, dead_cells=list(self.dead),
             stale_dropped=self.stream.dropped_stale, decisions=self.decisions, role_spans=self.role_spans,
-            busy_spans=self.busy_spans, switch_marks=self.marks, executions=self.logs, notes=self.notes)
+            busy_spans=self.busy_spans, switch_marks=self.marks, executions=getattr(self.work, "logs", []),
+            notes=self.notes, load=self.load)
 
 
 def available_devices(ecfg: ElasticConfig) -> tuple[int, str]:
@@ -413,9 +441,8 @@ def check_fleet(ecfg: ElasticConfig) -> None:
                           f"{need} {what}, but {have} are available; use fewer cells, or elastic.mode=emulated")
 
 
-def run_elastic(ecfg: ElasticConfig, workload: Workload, **kw) -> ElasticResult:
-    """Start `ecfg.cells` agents, run `workload` under `ecfg.policy`, stop them, return the measurements."""
+def run_elastic(ecfg: ElasticConfig, work, **kw) -> ElasticResult:
+    """Start `ecfg.cells` agents, run `work` (a `Workload` or `EmulatedWork`: emulated; a `HarnessWork`:
+    real) under `ecfg.policy`, stop them, return the measurements."""
     check_fleet(ecfg)
-    if ecfg.mode != "emulated":
-        raise NotImplementedError("gyre elastic: only elastic.mode=emulated runs through this coordinator so far")
-    return Coordinator(ecfg, workload, **kw).run()
+    return Coordinator(ecfg, work, **kw).run()

@@ -14,6 +14,7 @@ import importlib
 import itertools
 import math
 import random
+import time
 from typing import Any
 
 from gyre_core.envs.protocol import (
@@ -61,6 +62,20 @@ def load_env(target: str, **kwargs: Any) -> Environment:
             f"env target {target!r} does not satisfy the Environment protocol: missing {', '.join(missing)}"
         )
     return env
+
+
+class LatencyEnv:
+    """`env` with every `step` taking `latency_s` longer (a sandboxed tool's round trip); all else as is."""
+
+    def __init__(self, env: Environment, latency_s: float) -> None:
+        self._env, self._latency = env, latency_s
+
+    def step(self, action: str):
+        time.sleep(self._latency)
+        return self._env.step(action)
+
+    def __getattr__(self, name: str):
+        return getattr(self._env, name)
 
 
 def check_environment(env: object, seeds: tuple[int, ...] = (0, 1), steps: int = 12) -> list[str]:

@@ -40,6 +40,7 @@ class Completion:
     finish_reason: str
     version: int
     entropy: float = 0.0     # of the first token's distribution (0 when the policy does not say)
+    versions: list[int] | None = None   # per token, when they differ (a call rerouted across an update)
 
 
 class Policy(Protocol):
@@ -176,7 +177,8 @@ class Execution:
         call = CallRecord(
             execution_id=rec.execution_id, call_index=len(rec.calls), context_index=self._context_index,
             role=self._role, prompt_ids=self._prompt, completion_ids=list(out.completion_ids),
-            logprobs=list(out.logprobs), versions=[out.version] * len(out.completion_ids),
+            logprobs=list(out.logprobs),
+            versions=list(out.versions) if out.versions is not None else [out.version] * len(out.completion_ids),
             finish_reason=out.finish_reason, parent_call=self._parent_call, prefix_len=self._prefix_len,
             t_start=t_start, t_end=time.time())
         rec.calls.append(call)

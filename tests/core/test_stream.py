@@ -184,9 +184,17 @@ def _stream(executions, cells, max_tokens=40):
     return q
 
 
-def _assert_same(trainer, ref, atol=1e-6):
+def _assert_same(trainer, ref, atol=1e-6, grads=None):
+    """Parameters equal to `ref`'s. With `grads` (the reference gradients), elements whose gradient is at
+    rounding level (|g| < 1e-7) only need to agree within two learning rates: Adam's first step normalises
+    g into about ±lr whatever its size, so for those the summation order decides the sign."""
     for (name, p), q in zip(trainer.model.named_parameters(), ref.parameters()):
-        assert torch.allclose(p, q, rtol=0, atol=atol), name
+        if grads is None:
+            assert torch.allclose(p, q, rtol=0, atol=atol), name
+            continue
+        tiny = grads[name].abs() < 1e-7
+        assert torch.allclose(p[~tiny], q[~tiny], rtol=0, atol=atol), name
+        assert ((p[tiny] - q[tiny]).abs() <= 2 * LR).all(), name
 
 
 @pytest.mark.parametrize("stage", [0, 1])
@@ -258,6 +266,7 @@ def test_packed_streaming_with_a_late_satellite_and_a_lost_one():
     executions = _executions(seed=9, n=10)
     kept = {f"e{i}" for i in range(10)} - {"e2", "e5"}
     ref, _ = _reference(model, executions, kept)
+    grads = {n: p.grad.clone() for n, p in ref.named_parameters()}
     torch.nn.utils.clip_grad_norm_(ref.parameters(), 1e9)
     torch.optim.AdamW(ref.parameters(), lr=LR, weight_decay=0.0, betas=(0.9, 0.99)).step()
     core, sat, doomed = (Trainer(copy.deepcopy(model), lr=LR, zero_stage=1, grad_clip=1e9) for _ in range(3))
@@ -281,7 +290,7 @@ def test_packed_streaming_with_a_late_satellite_and_a_lost_one():
     assert order[0] == lost.id and q.burst_done(BURST)
     hand_over(sat, core)
     finish_step(core, q.trained_executions(BURST))
-    _assert_same(core, ref)
+    _assert_same(core, ref, grads=grads)
 
 
 def test_what_cannot_be_streamed_exactly_is_refused():

@@ -1,0 +1,575 @@
+"""A discrete-event model of K cells running one role policy on bursts of long-tailed executions.
+
+    gyre sim --profile paper-122b                       # colocated vs async (best split) vs elastic
+    gyre sim --profile laptop --json --png data/sim/
+
+    from gyre_core.elastic.sim import simulate, compare
+    r = simulate(workload, k=8, capacity=16, policy="elastic")     # SimResult: r.step_s, r.busy_frac, ...
+    compare(workload, k=8, capacity=16)                              # the three policies side by side
+
+Why it exists: to size a fleet before renting it, and to predict what the emulated runtime
+(`gyre_core.elastic.runtime`) measures — the runtime applies the same rules in real time, and the
+benchmark compares the two step times. The rules, exactly as modelled:
+
+1. Cells. K cells, core (0) first, then satellites; the training cells are always cells[0:t], with t from
+   `controller.decide(policy, Counters(k, capacity, d, f), t_before, now)`, where t_before counts the cells
+   currently meant to train. It is re-evaluated after every event (dispatch, execution finished,
+   micro-step done, optimizer step done, switch done); every Decision that changes t is kept. All cells
+   start in rollout, so a policy that trains from t = 0 pays one rollout→train switch first.
+2. Bursts. Burst s (0..steps−1) is `executions_per_step` executions with `workload.calls(s)` calls. It is
+   dispatched all at once (d += N) once burst s−1 is dispatched and the published version v ≥ s − S
+   (S = max_staleness; 0 for colocated). v starts at 0 and counts optimizer steps.
+3. Executions. A rollout cell hosts up to `capacity` executions; an execution stays bound to its cell
+   while it runs, its slot held through its environment turns. Queued executions (FIFO) take a free slot
+   on the least-loaded rollout cell (ties: lowest index). An execution makes n calls, each `call_s` of
+   device time (concurrent calls on a cell do not slow each other: batched decoding) followed by an
+   environment turn of `env_s`; after the last turn it finishes (f += 1) and frees its slot. When a cell
+   leaves rollout, its executions go back to the FRONT of the queue in their order, keeping their
+   progress: a call in flight resumes on the next cell with only its remaining device time (the runtime
+   keeps the partial tokens); one in an environment turn keeps that turn's clock running (the
+   environment needs no device) and starts its next call once the turn is over and it has a slot; one in
+   its last turn just finishes, as it needs no slot any more.
+4. Switches. A cell is unavailable for `switch_to_train_s` (rollout→train) or `switch_to_rollout_s`
+   (train→rollout). A rollout cell leaves at once; a training cell finishes the micro-step or optimizer
+   step it is computing first. A cell mid-switch completes it, then the rules are applied again.
+5. Streaming training. Finished executions of burst s enter a buffer in finish order; consecutive groups
+   of `micro_step_executions` form micro-steps (the last, smaller group once the whole burst finished).
+   An idle training cell (lowest index first) claims a micro-step of burst s only when v == s; it takes
+   sum(workload.train_s(calls)) there. When all of burst s's micro-steps are done the core, once it is in
+   train and idle, runs the optimizer step and publish (`optimizer_s + publish_s`); then v = s + 1.
+6. Accounting. Busy: a rollout cell with ≥ 1 call in flight, or a train cell computing a micro-step or an
+   optimizer step. wall runs from 0 to the last publish; step_s = wall / steps; busy fractions are busy
+   cell-seconds / (K × wall) (`timeline.busy_fractions`).
+7. Dead cells are out of scope: K stays fixed.
+
+Not modelled (each would make elastic look less good than here): re-prefilling a moved execution's
+context on its new cell (a move is free), satellites pausing to load published weights, decoding
+slowing down as a cell's batch grows, and variance in call and turn lengths — every call takes exactly
+`call_s`, so executions that start together stay in step and a cell idles while all of them are in
+their turns (the runtime's thread jitter spreads them, so it measures a somewhat higher rollout busy
+fraction for the same step time).
+
+How: between two of its events an execution bound to a cell needs no event at all — its progress at any
+time follows from when its calls started — so each execution costs one event (its finish) plus one per
+move, and its calls' busy intervals are rebuilt with numpy at the end. Paper-scale runs take well under a
+second per policy.
+"""
+from __future__ import annotations
+
+import heapq
+import math
+from collections import deque
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from .controller import ROLLOUT, TRAIN, Counters, Decision, decide, make_policy
+from .timeline import BusySpan, RoleSpan, SwitchMark, busy_fractions
+from .workload import Workload
+
+SWITCHING = "switching"
+POLICIES = ("colocated", "async", "elastic")
+_FINISH, _SWITCH, _MICRO, _OPTIM = range(4)
+
+
+@dataclass(slots=True)
+class _Exec:
+    burst: int
+    n: int                  # calls it makes
+    call_rem: float         # device seconds left of its next (or interrupted) call
+    ready_at: float         # when that call may start: the end of the environment turn before it
+    done: int = 0           # calls completed
+    cell: int = -1          # bound cell, −1 when queued or unbound
+    bound_at: float = 0.0
+    gen: int = 0            # bumped on every bind/unbind: a stale finish event is ignored
+
+
+@dataclass(slots=True)
+class _Cell:
+    index: int
+    role: str = ROLLOUT     # rollout | train | switching
+    target: str = ROLLOUT
+    to_role: str = ""       # while switching
+    busy: bool = False      # computing a micro-step or the optimizer step
+    bound: dict[int, None] = field(default_factory=dict)   # executions here, in bind order
+    span_t0: float = 0.0
+    busy_t0: float = 0.0
+    switch_t0: float = 0.0
+
+
+@dataclass(slots=True)
+class _Burst:
+    size: int
+    total: int                                              # micro-steps it will make
+    buffer: list[int] = field(default_factory=list)         # finished executions' calls, not yet grouped
+    pending: deque[float] = field(default_factory=deque)    # formed micro-steps (seconds), unclaimed
+    finished: int = 0
+    done: int = 0                                           # micro-steps computed
+
+
+@dataclass(slots=True)
+class SimResult:
+    """What one simulated run cost, and its timeline."""
+
+    policy: str
+    k: int
+    capacity: int
+    steps: int
+    async_train_cells: int | None
+    max_staleness: int
+    wall_s: float
+    step_s: float
+    busy: dict                       # timeline.busy_fractions
+    switches_to_train: int
+    switches_to_rollout: int
+    switch_s_mean: float | None      # mean duration of completed switches
+    moved_executions: int            # executions moved off a cell that left rollout
+    resumed_calls: int               # of those, calls cut mid-generation and resumed elsewhere
+    step_ends: list[float]           # when each version was published
+    load: list[tuple[float, int]]    # (t, unfinished w) after every dispatch and finish
+    decisions: list[Decision]
+    role_spans: list[RoleSpan]
+    busy_spans: list[BusySpan]
+    switch_marks: list[SwitchMark]
+
+    @property
+    def busy_frac(self) -> float:
+        return self.busy["overall"]
+
+    @property
+    def busy_frac_rollout(self) -> float:
+        return self.busy["rollout"]
+
+    @property
+    def busy_frac_train(self) -> float:
+        return self.busy["train"]
+
+    @property
+    def switches(self) -> int:
+        return self.switches_to_train + self.switches_to_rollout
+
+    def to_dict(self, detail: bool = False) -> dict:
+        """Figures as JSON-ready values; `detail` adds the decisions and step ends (spans stay out)."""
+        out = {"policy": self.policy, "k": self.k, "capacity": self.capacity, "steps": self.steps,
+               "async_train_cells": self.async_train_cells, "max_staleness": self.max_staleness,
+               "wall_s": self.wall_s, "step_s": self.step_s, "busy_frac": self.busy_frac,
+               "busy_frac_rollout": self.busy_frac_rollout, "busy_frac_train": self.busy_frac_train,
+               "share_rollout": self.busy["share_rollout"], "share_train": self.busy["share_train"],
+               "share_switching": self.busy["share_switching"],
+               "role_s": {r: self.busy[f"role_s_{r}"] for r in (ROLLOUT, TRAIN, SWITCHING)},
+               "switches": self.switches, "switches_to_train": self.switches_to_train,
+               "switches_to_rollout": self.switches_to_rollout, "switch_s_mean": self.switch_s_mean,
+               "moved_executions": self.moved_executions, "resumed_calls": self.resumed_calls,
+               "role_changes": len(self.decisions)}
+        if detail:
+            out["step_ends"] = list(self.step_ends)
+            out["decisions"] = [d.to_dict() for d in self.decisions]
+        return out
+
+
+class _Sim:
+    """One run: the state, the event loop, and the rules applied after each event."""
+
+    def __init__(self, w: Workload, k: int, capacity: int, policy: str, async_train_cells: int,
+                 max_staleness: int, micro: int) -> None:
+        _check_args(w, k, capacity, policy, async_train_cells, max_staleness, micro)
+        self.w, self.k, self.cap, self.micro = w, k, capacity, micro
+        self.period = w.call_s + w.env_s
+        self.policy_name = policy
+        self.policy = make_policy(policy, async_train_cells)
+        self.split = async_train_cells if policy == "async" else None
+        self.staleness = 0 if policy == "colocated" else max_staleness
+        self.cells = [_Cell(i) for i in range(k)]
+        self.execs: list[_Exec] = []
+        self.queue: deque[int] = deque()
+        self.bursts: list[_Burst] = []
+        self.heap: list[tuple] = []
+        self.seq = 0
+        self.now = 0.0
+        self.version = self.next_burst = self.dispatched = self.finished = 0
+        self.updating = False
+        self.decisions: list[Decision] = []
+        self.role_spans: list[RoleSpan] = []
+        self.train_spans: list[BusySpan] = []
+        self.marks: list[SwitchMark] = []
+        self.switch_s: list[float] = []
+        self.segments: list[tuple[int, float, float, float, int, float]] = []
+        self.moved = self.resumed = 0
+        self.step_ends: list[float] = []
+        self.load: list[tuple[float, int]] = []
+
+    # -- the loop --------------------------------------------------------------------------------------
+    def run(self) -> SimResult:
+        self._rules()
+        handlers = {_FINISH: self._on_finish, _SWITCH: self._on_switch, _MICRO: self._on_micro,
+                    _OPTIM: self._on_optim}
+        while self.version < self.w.steps:
+            if not self.heap:
+                raise RuntimeError(f"sim: stalled at t={self.now:.3f}s (version {self.version}, dispatched "
+                                   f"{self.dispatched}, finished {self.finished}): no event left")
+            t, _, kind, a, b = heapq.heappop(self.heap)
+            self.now = t
+            handlers[kind](a, b)
+            self._rules()
+        return self._result(self.now)
+
+    def _push(self, t: float, kind: int, a: int, b: int = 0) -> None:
+        self.seq += 1
+        heapq.heappush(self.heap, (t, self.seq, kind, a, b))
+
+    def _rules(self) -> None:
+        self._dispatch()
+        self._roles()
+        self._pump()
+        self._feed()
+        self._update()
+
+    # -- rule 2: bursts --------------------------------------------------------------------------------
+    def _dispatch(self) -> None:
+        w = self.w
+        while self.next_burst < w.steps and self.version >= self.next_burst - self.staleness:
+            s = self.next_burst
+            calls = w.calls(s)
+            self.bursts.append(_Burst(len(calls), math.ceil(len(calls) / self.micro)))
+            for n in calls:
+                self.queue.append(len(self.execs))
+                self.execs.append(_Exec(s, n, w.call_s, self.now))
+            self.dispatched += len(calls)
+            self.next_burst += 1
+            self.load.append((self.now, self.dispatched - self.finished))
+
+    # -- rules 1 and 4: roles and switches -------------------------------------------------------------
+    def _roles(self) -> None:
+        want = sum(c.target == TRAIN for c in self.cells)
+        d = decide(self.policy, Counters(self.k, self.cap, self.dispatched, self.finished), want, self.now)
+        if d.train_after != want:
+            self.decisions.append(d)
+        for c in self.cells:
+            c.target = TRAIN if c.index < d.train_after else ROLLOUT
+        for c in self.cells:
+            if c.role == c.target or c.role == SWITCHING or c.busy:
+                continue          # mid-switch: finish it first; training: leave at the micro-step boundary
+            self._start_switch(c)
+
+    def _start_switch(self, c: _Cell) -> None:
+        w = self.w
+        if c.role == ROLLOUT:
+            self._leave_rollout(c)
+        cost = w.switch_to_train_s if c.target == TRAIN else w.switch_to_rollout_s
+        self.marks.append((c.index, self.now, c.role, c.target))
+        self._set_role(c, SWITCHING)
+        c.to_role, c.switch_t0 = c.target, self.now
+        self._push(self.now + cost, _SWITCH, c.index)
+
+    def _on_switch(self, cell: int, _: int) -> None:
+        c = self.cells[cell]
+        self.switch_s.append(self.now - c.switch_t0)
+        self._set_role(c, c.to_role)
+
+    def _set_role(self, c: _Cell, role: str) -> None:
+        if self.now > c.span_t0:
+            self.role_spans.append(RoleSpan(c.index, c.span_t0, self.now, c.role))
+        c.role, c.span_t0 = role, self.now
+
+    # -- rule 3: executions on rollout cells -----------------------------------------------------------
+    def _pump(self) -> None:
+        if not self.queue:
+            return
+        free = [c for c in self.cells if c.role == ROLLOUT and len(c.bound) < self.cap]
+        while self.queue and free:
+            c = min(free, key=lambda c: (len(c.bound), c.index))
+            self._bind(self.queue.popleft(), c)
+            if len(c.bound) >= self.cap:
+                free.remove(c)
+
+    def _bind(self, i: int, c: _Cell) -> None:
+        ex = self.execs[i]
+        ex.cell, ex.bound_at, ex.gen = c.index, self.now, ex.gen + 1
+        c.bound[i] = None
+        start = max(self.now, ex.ready_at)
+        end = start + ex.call_rem + self.w.env_s + (ex.n - ex.done - 1) * self.period
+        self._push(end, _FINISH, i, ex.gen)
+
+    def _leave_rollout(self, c: _Cell) -> None:
+        front = []
+        for i in c.bound:
+            ex = self.execs[i]
+            in_call = self._advance(ex, self.now)
+            ex.cell, ex.gen = -1, ex.gen + 1
+            self.moved += 1
+            self.resumed += in_call
+            if ex.done >= ex.n:          # in its last environment turn: no slot needed any more
+                self._push(ex.ready_at, _FINISH, i, ex.gen)
+            else:
+                front.append(i)
+        c.bound.clear()
+        self.queue.extendleft(reversed(front))
+
+    def _advance(self, ex: _Exec, t: float) -> bool:
+        """Bring `ex`'s progress on its cell up to time t and record its calls there; True when a call
+        was in flight at t."""
+        w, p = self.w, self.period
+        s0 = max(ex.bound_at, ex.ready_at)
+        if t <= s0:
+            return False
+        first_end = s0 + ex.call_rem
+        if t < first_end:
+            self.segments.append((ex.cell, s0, t - s0, 0.0, 0, t))
+            ex.call_rem, ex.ready_at = first_end - t, t
+            return True
+        left = ex.n - ex.done
+        j = min(int((t - first_end) // p), left - 1) if p > 0 else left - 1
+        ex.done += 1 + j
+        turn = first_end + j * p            # the environment turn after the last completed call
+        in_call = ex.done < ex.n and t > turn + w.env_s
+        self.segments.append((ex.cell, s0, ex.call_rem, first_end + w.env_s, j + in_call, t))
+        if ex.done >= ex.n or not in_call:
+            ex.call_rem, ex.ready_at = (0.0 if ex.done >= ex.n else w.call_s), turn + w.env_s
+        else:
+            ex.call_rem, ex.ready_at = max(0.0, w.call_s - (t - turn - w.env_s)), t
+        return in_call
+
+    def _on_finish(self, i: int, gen: int) -> None:
+        ex = self.execs[i]
+        if gen != ex.gen:
+            return
+        if ex.cell >= 0:
+            s0 = max(ex.bound_at, ex.ready_at)
+            self.segments.append((ex.cell, s0, ex.call_rem, s0 + ex.call_rem + self.w.env_s,
+                                  ex.n - ex.done - 1, self.now))
+            del self.cells[ex.cell].bound[i]
+            ex.cell = -1
+        ex.done = ex.n
+        self.finished += 1
+        self.load.append((self.now, self.dispatched - self.finished))
+        self._stream_add(ex)
+
+    # -- rule 5: streaming training --------------------------------------------------------------------
+    def _stream_add(self, ex: _Exec) -> None:
+        b = self.bursts[ex.burst]
+        b.finished += 1
+        b.buffer.append(ex.n)
+        if len(b.buffer) >= self.micro or b.finished == b.size:
+            b.pending.append(sum(self.w.train_s(n) for n in b.buffer))
+            b.buffer.clear()
+
+    def _feed(self) -> None:
+        if self.version >= len(self.bursts):
+            return
+        b = self.bursts[self.version]
+        for c in self.cells:
+            if not b.pending:
+                return
+            if c.role == TRAIN and c.target == TRAIN and not c.busy:
+                c.busy, c.busy_t0 = True, self.now
+                self._push(self.now + b.pending.popleft(), _MICRO, c.index)
+
+    def _on_micro(self, cell: int, _: int) -> None:
+        c = self.cells[cell]
+        self.train_spans.append(BusySpan(cell, c.busy_t0, self.now, TRAIN))
+        c.busy = False
+        self.bursts[self.version].done += 1
+
+    def _update(self) -> None:
+        if self.updating or self.version >= len(self.bursts):
+            return
+        b = self.bursts[self.version]
+        core = self.cells[0]
+        if b.done < b.total or core.role != TRAIN or core.busy:
+            return
+        self.updating, core.busy, core.busy_t0 = True, True, self.now
+        self._push(self.now + self.w.optimizer_s + self.w.publish_s, _OPTIM, 0)
+
+    def _on_optim(self, cell: int, _: int) -> None:
+        c = self.cells[cell]
+        self.train_spans.append(BusySpan(cell, c.busy_t0, self.now, TRAIN))
+        c.busy = self.updating = False
+        self.version += 1
+        self.step_ends.append(self.now)
+
+    # -- rule 6: the result ----------------------------------------------------------------------------
+    def _result(self, wall: float) -> SimResult:
+        for c in self.cells:
+            self._set_role(c, c.role)       # close the open spans at the last publish
+        busy_spans = _rollout_busy(self.segments, self.k, self.w.call_s, self.period) + self.train_spans
+        fr = busy_fractions(self.role_spans, busy_spans, self.k, wall) if wall > 0 else _zero_busy()
+        to_train = sum(1 for m in self.marks if m[3] == TRAIN)
+        return SimResult(
+            policy=self.policy_name, k=self.k, capacity=self.cap, steps=self.w.steps,
+            async_train_cells=self.split, max_staleness=self.staleness, wall_s=wall,
+            step_s=wall / self.w.steps, busy=fr, switches_to_train=to_train,
+            switches_to_rollout=len(self.marks) - to_train,
+            switch_s_mean=sum(self.switch_s) / len(self.switch_s) if self.switch_s else None,
+            moved_executions=self.moved, resumed_calls=self.resumed, step_ends=self.step_ends, load=self.load,
+            decisions=self.decisions, role_spans=sorted(self.role_spans, key=lambda s: (s.cell, s.t0)),
+            busy_spans=busy_spans, switch_marks=self.marks)
+
+
+def _zero_busy() -> dict:
+    roles = ("rollout", "train", "switching", "dead")
+    out = {"overall": 0.0, "rollout": 0.0, "train": 0.0}
+    out.update({f"share_{r}": 0.0 for r in roles})
+    out.update({f"busy_s_{r}": 0.0 for r in ("rollout", "train")})
+    out.update({f"role_s_{r}": 0.0 for r in roles})
+    return out
+
+
+def _rollout_busy(segments, k: int, call_s: float, period: float) -> list[BusySpan]:
+    """Each cell's calls-in-flight time as merged spans, from the recorded segments: a segment
+    (cell, s0, first_len, a1, n_more, t_end) is the call [s0, s0 + first_len) then n_more calls starting
+    at a1, a1 + period, ..., each call_s long, all cut at t_end."""
+    if not segments:
+        return []
+    cell, s0, first, a1, n_more, t_end = (np.asarray(x) for x in zip(*segments))
+    n_more = n_more.astype(np.int64)
+    idx = np.repeat(np.arange(len(n_more)), n_more)
+    offset = np.arange(idx.size) - np.repeat(np.cumsum(n_more) - n_more, n_more)
+    starts = np.concatenate([s0, a1[idx] + offset * period])
+    ends = np.concatenate([np.minimum(s0 + first, t_end), np.minimum(a1[idx] + offset * period + call_s, t_end[idx])])
+    cells = np.concatenate([cell, cell[idx]]).astype(np.int64)
+    keep = ends > starts
+    starts, ends, cells = starts[keep], ends[keep], cells[keep]
+    out: list[BusySpan] = []
+    for c in range(k):
+        m = cells == c
+        if not m.any():
+            continue
+        order = np.argsort(starts[m], kind="stable")
+        a, z = starts[m][order], ends[m][order]
+        reach = np.maximum.accumulate(z)
+        new = np.ones(a.size, dtype=bool)
+        new[1:] = a[1:] > reach[:-1]          # a gap before this call: a new busy span starts
+        first_i = np.flatnonzero(new)
+        last_i = np.append(first_i[1:] - 1, a.size - 1)
+        out.extend(BusySpan(c, float(a[i]), float(reach[j]), ROLLOUT) for i, j in zip(first_i, last_i))
+    return out
+
+
+def _check_args(w: Workload, k: int, capacity: int, policy: str, split: int, staleness: int, micro: int) -> None:
+    if policy not in POLICIES:
+        raise ValueError(f"sim: unknown policy {policy!r} (allowed: {', '.join(POLICIES)})")
+    if k < 1 or capacity < 1 or micro < 1:
+        raise ValueError(f"sim: need k ≥ 1, capacity ≥ 1, micro_step_executions ≥ 1 (got {k}, {capacity}, {micro})")
+    if w.steps < 1 or w.executions_per_step < 1:
+        raise ValueError("sim: the workload needs steps ≥ 1 and executions_per_step ≥ 1")
+    if staleness < 0:
+        raise ValueError(f"sim: max_staleness must be ≥ 0, got {staleness}")
+    if policy == "async" and not 1 <= split <= k - 1:
+        raise ValueError(f"sim: async needs 1 ≤ async_train_cells ≤ k − 1 = {k - 1}, got {split}")
+    if min(w.call_s, w.env_s, w.train_s_per_call, w.optimizer_s, w.publish_s,
+           w.switch_to_train_s, w.switch_to_rollout_s) < 0:
+        raise ValueError("sim: workload durations must be ≥ 0")
+
+
+def simulate(workload: Workload, k: int, capacity: int, policy: str, async_train_cells: int = 1,
+             max_staleness: int = 1, micro_step_executions: int = 4) -> SimResult:
+    """Run `workload` on K cells of `capacity` slots under `policy` (colocated | async | elastic)."""
+    return _Sim(workload, k, capacity, policy, async_train_cells, max_staleness, micro_step_executions).run()
+
+
+@dataclass(slots=True)
+class Comparison:
+    """The policies side by side on one workload and fleet."""
+
+    results: dict[str, SimResult]
+    async_split: int | None
+    async_sweep: dict[int, float]    # split -> step_s (one entry unless the split was swept)
+    workload: Workload
+    k: int
+    capacity: int
+    max_staleness: int
+    micro_step_executions: int
+
+    def speedup(self, of: str, over: str) -> float | None:
+        a, b = self.results.get(of), self.results.get(over)
+        return b.step_s / a.step_s if a and b and a.step_s > 0 else None
+
+    def to_dict(self) -> dict:
+        return {"policies": {n: r.to_dict() for n, r in self.results.items()},
+                "speedup_vs_colocated": self.speedup("elastic", "colocated"),
+                "speedup_vs_async": self.speedup("elastic", "async"),
+                "async_split": self.async_split, "async_sweep": {str(s): v for s, v in self.async_sweep.items()},
+                "fleet": {"k": self.k, "capacity": self.capacity, "max_staleness": self.max_staleness,
+                          "micro_step_executions": self.micro_step_executions},
+                "workload": self.workload.to_dict()}
+
+
+def compare_results(workload: Workload, k: int, capacity: int, max_staleness: int = 1,
+                    async_split: int | str = "best", micro_step_executions: int = 4,
+                    policies: tuple[str, ...] = POLICIES) -> Comparison:
+    """Simulate each policy; for async, `best` sweeps every split 1..K−1 and keeps the fastest (with
+    K = 1 there is no async split, and async is left out)."""
+    results: dict[str, SimResult] = {}
+    sweep: dict[int, float] = {}
+    split = None
+    for name in policies:
+        if name != "async":
+            results[name] = simulate(workload, k, capacity, name, 1, max_staleness, micro_step_executions)
+            continue
+        if k < 2:
+            continue
+        splits = range(1, k) if async_split == "best" else [int(async_split)]
+        runs = {s: simulate(workload, k, capacity, "async", s, max_staleness, micro_step_executions) for s in splits}
+        sweep = {s: r.step_s for s, r in runs.items()}
+        split = min(runs, key=lambda s: (runs[s].step_s, s))
+        results["async"] = runs[split]
+    return Comparison(results, split, sweep, workload, k, capacity, max_staleness, micro_step_executions)
+
+
+def compare(workload: Workload, k: int, capacity: int, max_staleness: int = 1, async_split: int | str = "best",
+            micro_step_executions: int = 4) -> dict:
+    """`compare_results(...).to_dict()`: per-policy figures, elastic's speedups, the async split."""
+    return compare_results(workload, k, capacity, max_staleness, async_split, micro_step_executions).to_dict()
+
+
+# -- reporting (gyre sim) ---------------------------------------------------------------------------------
+def fmt_s(seconds: float) -> str:
+    """A duration in the unit a person reads it in."""
+    if seconds >= 2 * 3600:
+        return f"{seconds / 3600:.2f} h"
+    if seconds >= 120:
+        return f"{seconds / 60:.1f} min"
+    return f"{seconds:.2f} s"
+
+
+def format_comparison(c: Comparison, title: str, paper: dict | None = None) -> str:
+    """The side-by-side table `gyre sim` prints."""
+    w = c.workload
+    lines = [f"gyre sim — {title}: K={c.k} cells × {c.capacity} slots, {w.executions_per_step} executions a burst, "
+             f"{w.steps} steps, max_staleness {c.max_staleness}, micro-steps of {c.micro_step_executions}",
+             f"{'policy':<12}{'step':>11}{'busy':>8}{'rollout':>9}{'train':>8}{'switches':>10}{'moved':>8}"]
+    for name, r in c.results.items():
+        label = f"async({r.async_train_cells})" if name == "async" else name
+        lines.append(f"{label:<12}{fmt_s(r.step_s):>11}{r.busy_frac:>8.3f}{r.busy_frac_rollout:>9.3f}"
+                     f"{r.busy_frac_train:>8.3f}{r.switches:>10d}{r.moved_executions:>8d}")
+    lines.append("(busy: fraction of cell-seconds with device work, overall and in each role; "
+                 "moved: executions moved off a cell leaving rollout)")
+    sc, sa = c.speedup("elastic", "colocated"), c.speedup("elastic", "async")
+    if sc is not None or sa is not None:
+        parts = [f"{v:.2f}× vs {n}" for v, n in ((sc, "colocated"), (sa, "async")) if v is not None]
+        lines.append("elastic speedup: " + ", ".join(parts))
+    if len(c.async_sweep) > 1:
+        lines.append("async splits (train cells → step): " +
+                     ", ".join(f"{s}→{fmt_s(v)}" for s, v in c.async_sweep.items()) + f"; best {c.async_split}")
+    if paper:
+        rng = lambda lo_hi: f"{lo_hi[0]:.2f}×" if lo_hi[0] == lo_hi[1] else f"{lo_hi[0]:.2f}–{lo_hi[1]:.2f}×"  # noqa: E731
+        lines.append(f"the paper reports: {rng(paper['speedup_vs_colocated'])} vs colocated, "
+                     f"{rng(paper['speedup_vs_async'])} vs async")
+    return "\n".join(lines)
+
+
+def write_timelines(c: Comparison, target: str, label: str) -> dict[str, str]:
+    """One PNG per policy. `target` ending in .png names the file (with several policies, `-<policy>` is
+    added before the suffix); otherwise it is a directory and files are `<label>-<policy>.png`."""
+    from .timeline import plot_timeline
+
+    out = {}
+    for name, r in c.results.items():
+        if target.endswith(".png"):
+            path = target if len(c.results) == 1 else f"{target[:-4]}-{name}.png"
+        else:
+            path = f"{target.rstrip('/')}/{label}-{name}.png"
+        split = f", {r.async_train_cells} train cell(s)" if name == "async" else ""
+        title = f"{label} · {name}{split} · step {fmt_s(r.step_s)} · busy {r.busy_frac:.2f}"
+        out[name] = plot_timeline(path, r.role_spans, r.busy_spans, r.switch_marks, title, r.decisions, r.load)
+    return out
