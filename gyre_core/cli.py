@@ -4,6 +4,7 @@
     gyre sql "SELECT status, count(*) FROM executions GROUP BY 1" [--run RUN] [--format table|csv|json]
     gyre bench engine [--json]
     gyre bench processor [--json] [--quick]
+    gyre bench elastic [--json] [--quick]
     gyre sim [--profile laptop|paper-122b|paper-2.4t] [--set k=8 ...] [--policy all] [--async-split best] [--json]
     gyre presets
 
@@ -99,6 +100,10 @@ def _run_bench(args):
         from bench.processor import bench_processor
 
         result = bench_processor(quick=args.quick)
+    elif args.what == "elastic":
+        from bench.elastic import bench_elastic
+
+        result = bench_elastic(quick=args.quick)
     else:
         result = None
     return result
@@ -161,7 +166,7 @@ def main(argv: list[str] | None = None) -> int:
     q.add_argument("--preset", default="default")
     q.set_defaults(fn=cmd_sql)
     b = sub.add_parser("bench", help="benchmarks that print figures")
-    b.add_argument("what", choices=("engine", "processor"))
+    b.add_argument("what", choices=("engine", "processor", "elastic"))
     b.add_argument("--json", action="store_true", help="one line of JSON")
     b.add_argument("--quick", action="store_true", help="fewer repetitions and a smaller workload")
     b.set_defaults(fn=cmd_bench)

@@ -210,12 +210,18 @@ class RealDevice:
             return None
         grads = tr.gradients()          # a satellite: hand the gradient over, start clean
         tr.zero_gradients()
-        return grads
+        # plain arrays: torch's own pickling shares storage by file descriptor, which only works between
+        # a process and its children, not between cells and a coordinator (or across hosts)
+        return {k: g.float().cpu().numpy() for k, g in grads.items()}
 
     cell_is_core = False
 
     def add_grads(self, grads) -> None:
-        self._trainer().add_gradients(grads)
+        import torch
+
+        params = dict(self.engine.model.named_parameters())
+        self._trainer().add_gradients({k: torch.from_numpy(g).to(params[k].device, params[k].dtype)
+                                       for k, g in grads.items()})
 
     def optim(self, version: int, n_executions: int) -> None:
         from ..trainer.publish import publish_weights

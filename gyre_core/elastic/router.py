@@ -16,6 +16,7 @@ two versions.
 from __future__ import annotations
 
 import threading
+import time
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable
@@ -67,9 +68,11 @@ class Router:
         self._waiting: deque[_Call] = deque()
         self._next_id = 0
         self.reroutes = 0
+        self.call_s: list[float] = []     # each answered call's latency as its execution saw it
 
     # -- the harness side ------------------------------------------------------------------------
     def call(self, execution_id: str, req: CallRequest) -> Completion:
+        t0 = time.monotonic()
         with self._lock:
             self._next_id += 1
             c = _Call(self._next_id, execution_id, req)
@@ -77,6 +80,7 @@ class Router:
             self._pump()
         c.done.wait()
         assert c.result is not None
+        self.call_s.append(time.monotonic() - t0)   # wait for a slot included: what the execution sees
         return c.result
 
     def release(self, execution_id: str) -> None:

@@ -37,6 +37,10 @@ from .timeline import BusySpan, RoleSpan, busy_fractions
 from .work import TOKENS_PER_CALL, EmulatedWork, ExecutionLog, HarnessWork  # noqa: F401
 from .workload import Workload
 
+def _mean(xs: list[float]) -> float | None:
+    return sum(xs) / len(xs) if xs else None
+
+
 @dataclass(slots=True)
 class _CellState:
     index: int
@@ -74,6 +78,9 @@ class ElasticResult:
     executions: list[ExecutionLog]
     notes: list[str]
     load: list[tuple[float, int]] = field(default_factory=list)
+    call_s: list[float] = field(default_factory=list)
+    micro_s: list[float] = field(default_factory=list)
+    optim_s: list[float] = field(default_factory=list)
 
     def plot(self, path: str) -> str:
         """The role timeline of this run as a PNG (cells × time by role, switch ticks, w(t) below)."""
@@ -88,7 +95,10 @@ class ElasticResult:
                 "busy": self.busy, "switch_s_rollout_to_train": self.switch_s_rollout_to_train,
                 "switch_s_train_to_rollout": self.switch_s_train_to_rollout, "switches": self.switches,
                 "reroutes": self.reroutes, "dead_cells": self.dead_cells, "stale_dropped": self.stale_dropped,
-                "decisions": [d.to_dict() for d in self.decisions], "notes": self.notes}
+                "decisions": [d.to_dict() for d in self.decisions], "notes": self.notes,
+                "calls": len(self.call_s), "call_s_mean": _mean(self.call_s),
+                "micro_steps": len(self.micro_s), "micro_s_total": sum(self.micro_s),
+                "optim_s_mean": _mean(self.optim_s)}
 
 
 class Coordinator:
@@ -120,6 +130,8 @@ class Coordinator:
         self.notes: list[str] = []
         self.dead: list[int] = []
         self.load: list[tuple[float, int]] = []   # (t, unfinished executions) at every dispatch and finish
+        self.micro_s: list[float] = []             # device seconds of each micro-step, as the cell measured
+        self.optim_s: list[float] = []             # ... of each update (optimizer step and publish)
         self.kill_cell_at = kill_cell_at     # tests: (cell, seconds) SIGKILLs a cell mid-run
 
     # -- clock and records ---------------------------------------------------------------------
@@ -157,7 +169,7 @@ class Coordinator:
     # -- cells -----------------------------------------------------------------------------------
     def _start_cells(self) -> None:
         key = secrets.token_hex(16)
-        listener = Listener(("127.0.0.1", 0), authkey=key.encode())
+        listener = Listener(("127.0.0.1", 0), backlog=self.cfg.cells, authkey=key.encode())   # all may dial at once
         host, port = listener.address
         env = dict(os.environ, GYRE_CELL_KEY=key, OMP_NUM_THREADS=str(self.cfg.devices_per_cell))
         for var in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK"):
@@ -211,6 +223,9 @@ class Coordinator:
                 msg = c.conn.recv()
             except (EOFError, OSError):
                 self.events.put((c.index, ("dead", "connection closed")))
+                return
+            except Exception as e:    # an unreadable message: the cell cannot be trusted any more
+                self.events.put((c.index, ("dead", f"unreadable message ({type(e).__name__}: {e})")))
                 return
             if msg[0] == "done":     # answers go straight to the router (executions are waiting on them)
                 self.router.on_done(c.index, *msg[1:])
@@ -332,6 +347,7 @@ class Coordinator:
             if len(msg) > 3 and msg[3] is not None and self.order and cell != self.order[0]:
                 self._send(self.order[0], ("grads", msg[3]))   # a satellite's gradient, to the core
             self.stream.complete(msg[1], cell)
+            self.micro_s.append(msg[2])
             self.busy_spans.append(BusySpan(cell, c.busy_t0, self.now(), TRAIN))
             c.busy = False
         elif kind == "optim_done":
@@ -339,6 +355,7 @@ class Coordinator:
             self.busy_spans.append(BusySpan(cell, c.busy_t0, self.now(), TRAIN))
             c.busy = self.updating = False
             self.version = msg[1]
+            self.optim_s.append(msg[2])
             if self.on_version is not None:
                 self.on_version(self.version)
             for i in self.order:
@@ -404,15 +421,15 @@ class Coordinator:
 
     def _result(self, wall: float) -> ElasticResult:
         k = self.cfg.cells
-        mean = lambda xs: sum(xs) / len(xs) if xs else None   # noqa: E731
         return ElasticResult(
             policy=self.policy.name, mode=self.work.mode, k=k, steps=self.work.steps, wall_s=wall,
             step_s=wall / max(self.work.steps, 1), busy=busy_fractions(self.role_spans, self.busy_spans, k, wall),
-            switch_s_rollout_to_train=mean(self.switch_s[TRAIN]), switch_s_train_to_rollout=mean(self.switch_s[ROLLOUT]),
+            switch_s_rollout_to_train=_mean(self.switch_s[TRAIN]), switch_s_train_to_rollout=_mean(self.switch_s[ROLLOUT]),
             switches=len(self.marks), reroutes=self.router.reroutes, dead_cells=list(self.dead),
             stale_dropped=self.stream.dropped_stale, decisions=self.decisions, role_spans=self.role_spans,
             busy_spans=self.busy_spans, switch_marks=self.marks, executions=getattr(self.work, "logs", []),
-            notes=self.notes, load=self.load)
+            notes=self.notes, load=self.load, call_s=list(self.router.call_s), micro_s=self.micro_s,
+            optim_s=self.optim_s)
 
 
 def available_devices(ecfg: ElasticConfig) -> tuple[int, str]:

@@ -147,22 +147,26 @@ class HarnessWork:
             seed = self.cfg.env.train_seed_start + s * ro.tasks_per_step + b
             specs += [ExecutionSpec(run.run_id, s, f"{run.run_id}/s{s}/t{b}/g{g}", f"seed{seed}", seed, "train", s)
                       for g in range(ro.group_size)]
-        return [threading.Thread(target=self._burst, args=(s, specs, router, report), daemon=True)]
+        from .. import steps as st
 
-    def _burst(self, s: int, specs, router, report: Report) -> None:
+        st._policy(self.run)          # the tokenizer and chat format, loaded once before the threads share it
+        return [threading.Thread(target=self._execution, args=(spec, router, report), daemon=True)
+                for spec in specs]
+
+    def _execution(self, spec, router, report: Report) -> None:
+        """One execution on its own thread: a model call, then its environment turn, at its own pace
+        (a real harness does not wait for the other executions of a round)."""
         from .. import steps as st
         from ..harness.loop import run_executions
 
         _, _, fmt, stop_texts = st._policy(self.run)
-        make_env = st._env_factory(self.run)
 
         def finished(rec) -> None:
             router.release(rec.execution_id)
             self._finished(rec, report)
 
         policy = RouterPolicy(router, self.cfg.rollout.temperature, self.cfg.harness.max_new_tokens)
-        run_executions(specs, policy, self.cfg.harness, make_env, fmt, stop_texts,
-                       self.cfg.rollout.concurrency, finished)
+        run_executions([spec], policy, self.cfg.harness, st._env_factory(self.run), fmt, stop_texts, 1, finished)
 
     def _finished(self, rec, report: Report) -> None:
         """Score a task's group once all of it is in; stream each execution's sequences."""

@@ -1,0 +1,177 @@
+"""`gyre bench elastic --json`: colocated vs async vs elastic on one documented workload, real and emulated.
+
+    gyre bench elastic --json            # ~12 minutes on a 2-core CPU
+    gyre bench elastic --quick --json    # fewer steps and async splits (~5 minutes)
+
+1. **Real K = 2** (`real`): the smoke model on BabyAI GoToObj, 2 cell agents of one CPU thread each, the
+   run's own harness and environment with `REAL_LATENCY_S` of environment latency per turn (a sandboxed
+   tool's round trip), under each policy from the same warm start; then each policy's final policy is
+   evaluated on the same held-out seeds (`eval_success`, beside the warm start's `eval_success_before`).
+   The real colocated run also *calibrates* the emulated fleet: its mean call latency, training seconds
+   per call, update seconds and switch times become the emulated device's costs.
+2. **Emulated K = 8** (`emulated`, clearly labelled): the same router, controller, queues and agent
+   processes, device work replaced by those calibrated waits, on the documented long-tailed workload
+   `WORKLOAD` (lognormal calls per execution, capped at a timeout, environment latency per call). `async`
+   runs at every split in the sweep and reports the best.
+3. **Simulator** (`sim`): `gyre_core.elastic.sim` predicts each policy's `step_s` on the same emulated
+   workload (and, for the real fleet, on the real runs' measured calls per execution); `sim_rel_err` is
+   the largest relative error of predicted vs measured `step_s`.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shutil
+import statistics
+import tempfile
+import time
+
+from gyre_core.config import ElasticConfig, load_config
+from gyre_core.elastic.runtime import run_elastic
+from gyre_core.elastic.sim import simulate
+from gyre_core.elastic.workload import Workload
+
+POLICIES = ("colocated", "async", "elastic")
+REAL_LATENCY_S = 0.05          # environment latency per turn in the real runs
+REAL_STEPS = 4
+# the emulated fleet's workload; device costs are replaced by the real cells' calibration
+WORKLOAD = Workload(name="bench-long-tail", executions_per_step=64, steps=4, calls_median=10.0, calls_sigma=0.9,
+                    max_calls=40, env_s=REAL_LATENCY_S, seed=7)
+K_EMULATED, CAPACITY_EMULATED, MICRO_EMULATED = 8, 8, 4
+
+
+def _real_config(policy: str, root: str, steps: int, eval_episodes: int):
+    return load_config("smoke", [
+        f"run.out_root={root}/runs-{policy}", f"lake.root={root}/lake", f"tracking.uri=sqlite:///{root}/mlflow.db",
+        "elastic.enabled=true", "elastic.mode=real", "elastic.cells=2", f"elastic.policy={policy}",
+        "elastic.capacity=8", "elastic.micro_step_executions=2", "elastic.async_train_cells=1",
+        f"env.latency_s={REAL_LATENCY_S}", "rollout.tasks_per_step=4", f"rl.steps={steps}",
+        f"eval.episodes={eval_episodes}", "eval.greedy_episodes=0", "eval.random_baseline=false", "eval.control=false"])
+
+
+def run_real(policy: str, root: str, steps: int, eval_episodes: int) -> dict:
+    """One real K = 2 run of `policy`: warm start, the elastic RL phase, evaluation before and after."""
+    from gyre_core import steps as st
+    from gyre_core.run import RunDir
+
+    cfg = _real_config(policy, root, steps, eval_episodes)
+    run_dir = st.prepare(cfg)
+    st.warm_start(run_dir)
+    before = st.evaluate(run_dir, "before")
+    t0 = time.time()
+    summary = st.elastic_rl(run_dir)
+    wall = time.time() - t0
+    after = st.evaluate(run_dir, "after")
+    run = RunDir.open(run_dir)
+    records = st._read_records(run, "step=0")
+    for s in range(1, steps):
+        records += st._read_records(run, f"step={s}")
+    return {"summary": summary, "wall_s": wall, "records_calls": [r.turns for r in records],
+            "eval_success_before": before["sampled"]["success"], "eval_success": after["sampled"]["success"],
+            "timeline_png": str(run.path / "elastic" / "role_timeline.png")}
+
+
+def calibrate(real: dict, switch: dict) -> Workload:
+    """The emulated device's costs, from a real run: seconds per call, per trained call, per update."""
+    s = real["summary"]
+    calls = sum(real["records_calls"])
+    return dataclasses.replace(
+        WORKLOAD, call_s=s["call_s_mean"], train_s_per_call=s["micro_s_total"] / max(calls, 1),
+        optimizer_s=s["optim_s_mean"], publish_s=0.0,     # the core publishes inside its update
+        switch_to_train_s=switch["to_train"], switch_to_rollout_s=switch["to_rollout"])
+
+
+def _policy_figures(res) -> dict:
+    d = res.to_dict()
+    return {k: d[k] for k in ("step_s", "busy_frac", "switch_s_rollout_to_train", "switch_s_train_to_rollout",
+                              "switches", "reroutes", "stale_dropped")} | {
+        "busy_rollout": res.busy.get("rollout"), "busy_train": res.busy.get("train")}
+
+
+def _speedups(step_s: dict) -> dict:
+    return {"speedup_vs_colocated": step_s["colocated"] / step_s["elastic"],
+            "speedup_vs_async": step_s["async"] / step_s["elastic"]}
+
+
+def bench_elastic(quick: bool = False, out_dir: str = "data/bench/elastic") -> dict:
+    steps = 2 if quick else REAL_STEPS
+    eval_episodes = 64 if quick else 200
+    os.makedirs(out_dir, exist_ok=True)
+    root = tempfile.mkdtemp(prefix="gyre-bench-elastic-")
+    out: dict = {"workload": WORKLOAD.to_dict(), "real_latency_s": REAL_LATENCY_S}
+    try:
+        # 1. real K = 2
+        real = {p: run_real(p, root, steps, eval_episodes) for p in POLICIES}
+        for p, r in real.items():
+            shutil.copy(r["timeline_png"], os.path.join(out_dir, f"real-{p}.png"))
+        sw_train = [r["summary"]["switch_s_rollout_to_train"] for r in real.values()
+                    if r["summary"]["switch_s_rollout_to_train"] is not None]
+        sw_roll = [r["summary"]["switch_s_train_to_rollout"] for r in real.values()
+                   if r["summary"]["switch_s_train_to_rollout"] is not None]
+        switch = {"to_train": statistics.mean(sw_train) if sw_train else 0.0,
+                  "to_rollout": statistics.mean(sw_roll) if sw_roll else 0.0}
+        real_step = {p: r["summary"]["step_s"] for p, r in real.items()}
+        out["real"] = {
+            "k": 2, "steps": steps, "eval_episodes": eval_episodes,
+            **{p: {k: r["summary"][k] for k in ("step_s", "busy_frac", "switch_s_rollout_to_train",
+                                                 "switch_s_train_to_rollout", "switches", "reroutes",
+                                                 "stale_dropped", "call_s_mean", "optim_s_mean")}
+               | {"eval_success_before": r["eval_success_before"], "eval_success": r["eval_success"]}
+               for p, r in real.items()},
+            **_speedups(real_step)}
+        # the simulator on the real fleet: the real runs' calls per execution as a trace
+        trace = tuple(c for r in real.values() for c in r["records_calls"])
+        base = calibrate(real["colocated"], switch)
+        real_w = dataclasses.replace(base, trace=trace, executions_per_step=8 * 2, steps=steps,
+                                     max_calls=max(trace))
+        sim_real = {p: simulate(real_w, 2, 8, p, 1, 1, 2).step_s for p in POLICIES}
+        out["real"]["sim_step_s"] = sim_real
+        out["real"]["sim_rel_err"] = max(abs(sim_real[p] - real_step[p]) / real_step[p] for p in POLICIES)
+
+        # 2. emulated K = 8, calibrated from the real cells
+        w = dataclasses.replace(base, steps=2 if quick else WORKLOAD.steps)
+        out["calibrated"] = {k: getattr(w, k) for k in ("call_s", "env_s", "train_s_per_call", "optimizer_s",
+                                                        "switch_to_train_s", "switch_to_rollout_s")}
+        ecfg = lambda policy, split=1: ElasticConfig(   # noqa: E731
+            policy=policy, cells=K_EMULATED, mode="emulated", capacity=CAPACITY_EMULATED,
+            async_train_cells=split, micro_step_executions=MICRO_EMULATED, max_staleness=1)
+        emu = {p: run_elastic(ecfg(p), w) for p in ("colocated", "elastic")}
+        splits = (1, 2) if quick else (1, 2, 3, 4)
+        sweep = {s: run_elastic(ecfg("async", s), w) for s in splits}
+        best = min(sweep, key=lambda s: sweep[s].step_s)
+        emu["async"] = sweep[best]
+        for p, r in emu.items():
+            r.plot(os.path.join(out_dir, f"emulated-{p}.png"))
+        emu_step = {p: r.step_s for p, r in emu.items()}
+        sim = {p: simulate(w, K_EMULATED, CAPACITY_EMULATED, p, best if p == "async" else 1, 1, MICRO_EMULATED)
+               for p in POLICIES}
+        out["emulated"] = {
+            "k": K_EMULATED, "capacity": CAPACITY_EMULATED, "steps": w.steps,
+            **{p: _policy_figures(r) for p, r in emu.items()},
+            "async_split": best, "async_sweep_step_s": {str(s): r.step_s for s, r in sweep.items()},
+            **_speedups(emu_step),
+            "sim_step_s": {p: r.step_s for p, r in sim.items()},
+            "sim_speedup_vs_colocated": sim["colocated"].step_s / sim["elastic"].step_s,
+            "sim_speedup_vs_async": sim["async"].step_s / sim["elastic"].step_s,
+            "sim_rel_err": max(abs(sim[p].step_s - emu_step[p]) / emu_step[p] for p in POLICIES)}
+        # the headline figures, at the top level
+        out.update(
+            step_s={p: emu_step[p] for p in POLICIES},
+            busy_frac={p: emu[p].busy.get("overall") for p in POLICIES},
+            speedup_vs_colocated=out["emulated"]["speedup_vs_colocated"],
+            speedup_vs_async=out["emulated"]["speedup_vs_async"], async_split=best,
+            switch_s_rollout_to_train=switch["to_train"], switch_s_train_to_rollout=switch["to_rollout"],
+            sim_rel_err=out["emulated"]["sim_rel_err"],
+            eval_success={p: real[p]["eval_success"] for p in POLICIES},
+            eval_success_before=real["colocated"]["eval_success_before"],
+            pngs=sorted(os.path.join(out_dir, f) for f in os.listdir(out_dir) if f.endswith(".png")))
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    return out
+
+
+if __name__ == "__main__":
+    import sys
+
+    print(json.dumps(bench_elastic(quick="--quick" in sys.argv), indent=1))
