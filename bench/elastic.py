@@ -3,7 +3,7 @@
     gyre bench elastic --json            # ~12 minutes on a 2-core CPU
     gyre bench elastic --quick --json    # fewer steps and async splits (~5 minutes)
 
-1. **Real K = 2** (`real`): the smoke model on BabyAI GoToObj, 2 cell agents of one CPU thread each, the
+1. **Real K = 2** (`real`): the smoke model (warm-started on 80 demonstrations, 60 steps) on BabyAI GoToObj, 2 cell agents of one CPU thread each, the
    run's own harness and environment with `REAL_LATENCY_S` of environment latency per turn (a sandboxed
    tool's round trip), under each policy from the same warm start; then each policy's final policy is
    evaluated on the same held-out seeds (`eval_success`, beside the warm start's `eval_success_before`).
@@ -47,6 +47,7 @@ def _real_config(policy: str, root: str, steps: int, eval_episodes: int):
         "elastic.enabled=true", "elastic.mode=real", "elastic.cells=2", f"elastic.policy={policy}",
         "elastic.capacity=8", "elastic.micro_step_executions=2", "elastic.async_train_cells=1",
         f"env.latency_s={REAL_LATENCY_S}", "rollout.tasks_per_step=4", f"rl.steps={steps}",
+        "warmstart.episodes=80", "warmstart.steps=60",
         f"eval.episodes={eval_episodes}", "eval.greedy_episodes=0", "eval.random_baseline=false", "eval.control=false"])
 
 

@@ -68,7 +68,8 @@ class EnvConfig(_Section):
     eval_seed_start: int = Field(1_000_000_000, ge=0)
     """First held-out seed. Evaluation seeds never overlap training seeds."""
     latency_s: float = Field(0.0, ge=0)
-    """Extra seconds added to every environment step, as a sandboxed tool's round trip would (benchmarks)."""
+    """Extra seconds added to every environment step of RL rollouts, as a sandboxed tool's round trip would
+    (benchmarks of rollout scheduling; demonstrations and evaluation run without it)."""
 
 
 class HarnessConfig(_Section):

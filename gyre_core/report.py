@@ -50,7 +50,14 @@ def summarize(run_dir: str, started_at: float | None = None) -> dict:
                               **(interval(b, c) if b else {})}
         if a is not None:
             summary["rl_vs_control"] = interval(c, a)
+    el = run.done("elastic") or {}
     rollouts = [run.done(f"rollout_{s:04d}") or {} for s in range(steps)]
+    if el:   # the RL phase ran on cell agents: its per-step figures are in the publish markers
+        rollouts = [{"executions": m.get("rollout/executions", 0), "tokens_generated": m.get("tokens/generated", 0)}
+                    for m in per_step]
+        summary["elastic"] = {k: el.get(k) for k in ("policy", "mode", "k", "step_s", "busy_frac", "switches",
+                                                     "switch_s_rollout_to_train", "switch_s_train_to_rollout",
+                                                     "reroutes", "stale_dropped", "dead_cells", "notes")}
     summary["executions"] = sum(r.get("executions", 0) for r in rollouts) + ws.get("demos", 0) + ctrl.get(
         "demos", 0) + sum((x.get(m) or {}).get("episodes", 0) for x in (before, after, ctrl_eval)
                           for m in ("sampled", "greedy", "random"))
@@ -64,8 +71,11 @@ def summarize(run_dir: str, started_at: float | None = None) -> dict:
         "process": sum(m.get("time/process_s", 0.0) for m in per_step),
         "train": sum(m.get("time/train_s", 0.0) for m in per_step),
         "publish": sum(m.get("time/publish_s", 0.0) for m in per_step),
+        "elastic": el.get("wall_s", 0.0),
         "control": ctrl.get("wall_s", 0.0),
     }
+    for k in (("rollout", "score", "process", "train", "publish") if el else ("elastic",)):
+        del phases[k]            # the RL phase ran one way or the other
     summary["phase_s"] = phases
     summary["work_s"] = sum(phases.values())      # all phases, across resumed invocations
     summary["wall_s"] = time.time() - started_at if started_at else summary["work_s"]   # this invocation

@@ -26,11 +26,12 @@ from .ui import phase
 # shared objects (cached per process)
 
 
-def _env_factory(run: RunDir):
+def _env_factory(run: RunDir, rollout: bool = False):
+    """Makes the run's environments; RL rollouts (`rollout=True`) get `env.latency_s` added per step."""
     from .envs import LatencyEnv, load_env
 
     cfg = run.cfg.env
-    if cfg.latency_s > 0:
+    if rollout and cfg.latency_s > 0:
         return lambda: LatencyEnv(load_env(cfg.target, **cfg.kwargs), cfg.latency_s)
     return lambda: load_env(cfg.target, **cfg.kwargs)
 
@@ -80,11 +81,11 @@ def _lake(run: RunDir):
     return run.cached("lake", lambda: Lake(run.cfg.lake.root))
 
 
-def _run_policy(run: RunDir, specs, policy, on_finish=None):
+def _run_policy(run: RunDir, specs, policy, on_finish=None, rollout: bool = False):
     from .harness.loop import run_executions
 
     _, _, fmt, stop_texts = _policy(run)
-    return run_executions(specs, policy, run.cfg.harness, _env_factory(run), fmt, stop_texts,
+    return run_executions(specs, policy, run.cfg.harness, _env_factory(run, rollout), fmt, stop_texts,
                           run.cfg.rollout.concurrency, on_finish)
 
 
@@ -399,7 +400,7 @@ def rollout(run_dir: str, step: int) -> str:
                       ro.fork_entropy if ro.fork_at == "entropy" else None)
         specs += group
     with phase(f"step {step}: rollout", len(specs)) as tick:
-        records = _run_policy(run, specs, EnginePolicy(eng, ro.temperature), lambda r: tick())
+        records = _run_policy(run, specs, EnginePolicy(eng, ro.temperature), lambda r: tick(), rollout=True)
     from .processor.batch import reward_of
 
     for r in records:
@@ -656,7 +657,7 @@ def elastic_rl(run_dir: str) -> dict:
         recs = by_step.get(step, [])
         _write_records(run, f"step={step}", recs)
         n = max(len(recs), 1)
-        metrics = {"rollout/success": sum(r.success for r in recs) / n,
+        metrics = {"rollout/executions": len(recs), "rollout/success": sum(r.success for r in recs) / n,
                    "rollout/partial": sum(r.partial for r in recs) / n,
                    "reward/mean": sum(r.reward for r in recs) / n,
                    "rollout/failed": sum(r.status == "failed" for r in recs),

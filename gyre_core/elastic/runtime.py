@@ -179,7 +179,8 @@ class Coordinator:
             cmd = [sys.executable, "-m", "gyre_core.elastic.cells", "--cell", str(i),
                    "--coordinator", f"{host}:{port}", "--threads", str(self.cfg.devices_per_cell),
                    *self.work.cell_args()]
-            procs.append(subprocess.Popen(cmd, env=env))
+            # the agents' chatter goes to stderr: a coordinator's stdout may be a JSON answer
+            procs.append(subprocess.Popen(cmd, env=env, stdout=2))
         arrived: queue.Queue = queue.Queue()
 
         def accept() -> None:

@@ -166,7 +166,7 @@ class HarnessWork:
             self._finished(rec, report)
 
         policy = RouterPolicy(router, self.cfg.rollout.temperature, self.cfg.harness.max_new_tokens)
-        run_executions([spec], policy, self.cfg.harness, st._env_factory(self.run), fmt, stop_texts, 1, finished)
+        run_executions([spec], policy, self.cfg.harness, st._env_factory(self.run, rollout=True), fmt, stop_texts, 1, finished)
 
     def _finished(self, rec, report: Report) -> None:
         """Score a task's group once all of it is in; stream each execution's sequences."""

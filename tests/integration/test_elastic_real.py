@@ -73,5 +73,12 @@ def test_real_cells_train_with_exact_per_token_versions(tmp_path):
             checked += 1
     assert checked >= 20
 
-    # evaluation reads the final version
+    # evaluation reads the final version; the summary counts the elastic phase's executions and tokens
     assert st.evaluate(run_dir, "after")["version"] == STEPS
+    from gyre_core.report import summarize
+
+    summary = summarize(run_dir, 0.0)
+    assert summary["tokens_generated"] == sum(len(c.completion_ids) for recs in records.values()
+                                              for r in recs for c in r.calls)
+    assert summary["elastic"]["policy"] == "elastic" and summary["elastic"]["k"] == 2
+    assert summary["phase_s"]["elastic"] > 0
