@@ -236,6 +236,8 @@ class ElasticConfig(_Section):
     """`async`: cells fixed in training (the rest roll out)."""
     max_staleness: int = Field(1, ge=0)
     """`async` / `elastic`: burst s is dispatched once weights v ≥ s − this are published (`colocated`: 0)."""
+    is_cap: float = Field(2.0, gt=0)
+    """Decoupled PPO: the off-policy weight π_prox/μ of a stale token is truncated at this."""
     micro_step_executions: int = Field(4, gt=0)
     """Finished executions per streamed micro-step."""
     cell_timeout_s: float = Field(30.0, gt=0)

@@ -663,6 +663,13 @@ def elastic_rl(run_dir: str) -> dict:
                    "rollout/failed": sum(r.status == "failed" for r in recs),
                    "tokens/generated": sum(r.tokens_generated for r in recs),
                    "time/elastic_step_s": res.step_s}
+        ts = res.train_stats.get(step, {})     # summed over the step's micro-steps, on every cell
+        tok = max(ts.get("tokens", 0.0), 1.0)
+        metrics.update({"tokens/trained": ts.get("tokens", 0.0), "train/loss": ts.get("loss", 0.0),
+                        "train/entropy": ts.get("entropy", 0.0) / tok,
+                        "train/clip_frac_in_update": ts.get("clip_frac", 0.0) / tok,
+                        "train/logprob_mismatch": ts.get("logprob_mismatch", 0.0) / tok,
+                        "train/is_truncated": ts.get("is_truncated", 0.0) / tok})
         t.log_metrics(metrics, step)
         run.mark(f"publish_{step + 1:04d}", {"uri": run.weights_uri(step + 1), "metrics": metrics})
     summary = {k: v for k, v in res.to_dict().items() if k != "decisions"}

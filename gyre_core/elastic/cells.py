@@ -8,7 +8,8 @@ connects to the coordinator, says hello, and then serves messages until told to 
     ("gen", call_id, request)        start a model call (rollout role only)
     ("cancel", call_id)              stop it now; answer with the tokens made so far, reason "cancelled"
     ("role", role, switch_s)         drain and take the role; answer ("role_done", role, seconds)
-    ("micro", ms_id, work)           compute one streamed micro-step (train role); answer ("micro_done", ...)
+    ("micro", ms_id, work)           compute one streamed micro-step (train role); answer
+                                     ("micro_done", ms_id, seconds, satellite's gradient or None, stats)
     ("optim", version, work)         the core only: apply the step's update and publish version+1
     ("weights", version)             a newer policy was published (read it at the next call / micro-step)
     ("stop",)
@@ -99,7 +100,7 @@ class EmulatedDevice:
 
     def micro(self, seconds: float):
         time.sleep(max(seconds, 0.0))
-        return None                      # no gradient to hand over
+        return None, {}                  # no gradient to hand over, no training statistics
 
     def optim(self, version: int, seconds: float) -> None:
         time.sleep(max(seconds, 0.0))
@@ -203,16 +204,16 @@ class RealDevice:
 
         self._sync()
         tr, kw = self._trainer(), self.train_kw
-        train_micro_step(tr, ms, max_tokens=kw["micro_batch_tokens"], objective="decoupled",
-                         temperature=kw["temperature"], clip_low=kw["clip_low"], clip_high=kw["clip_high"],
-                         is_cap=kw["is_cap"], negative_scale=kw["negative_scale"])
+        stats = train_micro_step(tr, ms, max_tokens=kw["micro_batch_tokens"], objective="decoupled",
+                                 temperature=kw["temperature"], clip_low=kw["clip_low"], clip_high=kw["clip_high"],
+                                 is_cap=kw["is_cap"], negative_scale=kw["negative_scale"])
         if self.cell_is_core:
-            return None
+            return None, stats
         grads = tr.gradients()          # a satellite: hand the gradient over, start clean
         tr.zero_gradients()
         # plain arrays: torch's own pickling shares storage by file descriptor, which only works between
         # a process and its children, not between cells and a coordinator (or across hosts)
-        return {k: g.float().cpu().numpy() for k, g in grads.items()}
+        return {k: g.float().cpu().numpy() for k, g in grads.items()}, stats
 
     cell_is_core = False
 
@@ -301,8 +302,8 @@ class Agent:
             self.role = role
             self.send("role_done", role, time.monotonic() - t0)
         elif kind == "micro":
-            grads = self.device.micro(msg[2])
-            self.send("micro_done", msg[1], time.monotonic() - t0, grads)
+            grads, stats = self.device.micro(msg[2])
+            self.send("micro_done", msg[1], time.monotonic() - t0, grads, stats)
         elif kind == "grads":            # the core: a satellite's gradient for this step
             self.device.add_grads(msg[1])
         elif kind == "optim":

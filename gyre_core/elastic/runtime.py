@@ -81,6 +81,7 @@ class ElasticResult:
     call_s: list[float] = field(default_factory=list)
     micro_s: list[float] = field(default_factory=list)
     optim_s: list[float] = field(default_factory=list)
+    train_stats: dict = field(default_factory=dict)
 
     def plot(self, path: str) -> str:
         """The role timeline of this run as a PNG (cells × time by role, switch ticks, w(t) below)."""
@@ -132,6 +133,7 @@ class Coordinator:
         self.load: list[tuple[float, int]] = []   # (t, unfinished executions) at every dispatch and finish
         self.micro_s: list[float] = []             # device seconds of each micro-step, as the cell measured
         self.optim_s: list[float] = []             # ... of each update (optimizer step and publish)
+        self.train_stats: dict[int, dict] = {}    # version trained from → summed micro-step statistics
         self.kill_cell_at = kill_cell_at     # tests: (cell, seconds) SIGKILLs a cell mid-run
 
     # -- clock and records ---------------------------------------------------------------------
@@ -349,6 +351,9 @@ class Coordinator:
                 self._send(self.order[0], ("grads", msg[3]))   # a satellite's gradient, to the core
             self.stream.complete(msg[1], cell)
             self.micro_s.append(msg[2])
+            sums = self.train_stats.setdefault(self.version, {})   # micro-steps train the current version
+            for key, v in (msg[4] if len(msg) > 4 else {}).items():
+                sums[key] = sums.get(key, 0.0) + v
             self.busy_spans.append(BusySpan(cell, c.busy_t0, self.now(), TRAIN))
             c.busy = False
         elif kind == "optim_done":
@@ -430,7 +435,7 @@ class Coordinator:
             stale_dropped=self.stream.dropped_stale, decisions=self.decisions, role_spans=self.role_spans,
             busy_spans=self.busy_spans, switch_marks=self.marks, executions=getattr(self.work, "logs", []),
             notes=self.notes, load=self.load, call_s=list(self.router.call_s), micro_s=self.micro_s,
-            optim_s=self.optim_s)
+            optim_s=self.optim_s, train_stats=self.train_stats)
 
 
 def available_devices(ecfg: ElasticConfig) -> tuple[int, str]:

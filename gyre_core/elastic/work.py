@@ -130,7 +130,7 @@ class HarnessWork:
         cfg, rl = self.cfg, self.cfg.rl
         train = {"lr": rl.lr, "zero_stage": cfg.trainer.zero_stage, "grad_clip": rl.grad_clip,
                  "temperature": cfg.rollout.temperature, "clip_low": rl.clip_low, "clip_high": rl.clip_high,
-                 "is_cap": 2.0, "negative_scale": rl.negative_scale, "micro_batch_tokens": rl.micro_batch_tokens}
+                 "is_cap": cfg.elastic.is_cap, "negative_scale": rl.negative_scale, "micro_batch_tokens": rl.micro_batch_tokens}
         return ["--mode", "real", "--policy", str(self.run.warm), "--weights",
                 self.cfg.trainer.publish_root or str(self.run.path / "weights"),
                 "--train-json", json.dumps(train), "--seed", str(cfg.run.seed), "--threads", str(self.threads)]

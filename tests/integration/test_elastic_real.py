@@ -81,4 +81,8 @@ def test_real_cells_train_with_exact_per_token_versions(tmp_path):
     assert summary["tokens_generated"] == sum(len(c.completion_ids) for recs in records.values()
                                               for r in recs for c in r.calls)
     assert summary["elastic"]["policy"] == "elastic" and summary["elastic"]["k"] == 2
+    # every generated token of a kept execution is trained once (all cells' micro-steps summed)
+    trainable = sum(len(c.completion_ids) for recs in records.values() for r in recs if r.status != "failed"
+                    for c in r.calls)
+    assert summary["tokens_trained"] == trainable
     assert summary["phase_s"]["elastic"] > 0
