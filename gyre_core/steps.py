@@ -272,7 +272,7 @@ CONTROL_VERSION = -3   # policy_version recorded for the control's evaluation (n
 def rl_wall_s(run: RunDir) -> float:
     """Seconds the RL steps took (rollout, score, process, train, publish; all steps, across resumes)."""
     if (m := run.done("elastic")) is not None:
-        return m["wall_s"]
+        return m["rl_wall_s"]
     total = 0.0
     for v in range(1, latest_version(run) + 1):
         m = run.done(f"publish_{v:04d}")["metrics"]
@@ -645,6 +645,7 @@ def elastic_rl(run_dir: str) -> dict:
     cfg = run.cfg
     if run.done("warm_start") is None:
         raise CheckpointError("elastic_rl: the warm start is not done; run warm_start first")
+    t0 = time.time()
     work = HarnessWork(run_dir, cfg.rl.steps)
     with phase(f"elastic RL: {cfg.rl.steps} steps on {cfg.elastic.cells} {cfg.elastic.mode} cells "
                f"({cfg.elastic.policy})", cfg.rl.steps) as tick:
@@ -665,10 +666,13 @@ def elastic_rl(run_dir: str) -> dict:
                    "time/elastic_step_s": res.step_s}
         ts = res.train_stats.get(step, {})     # summed over the step's micro-steps, on every cell
         tok = max(ts.get("tokens", 0.0), 1.0)
-        metrics.update({"tokens/trained": ts.get("tokens", 0.0), "train/loss": ts.get("loss", 0.0),
+        # the loss as the step loop reports it (micro-steps sum per-execution means; the update divides
+        # by the executions trained); behaviour vs trained log-probs are not compared here: with
+        # staleness they differ by design (decoupled PPO's IS weight covers that)
+        metrics.update({"tokens/trained": ts.get("tokens", 0.0),
+                        "train/loss": ts.get("loss", 0.0) / max(ts.get("executions", 0.0), 1.0),
                         "train/entropy": ts.get("entropy", 0.0) / tok,
                         "train/clip_frac_in_update": ts.get("clip_frac", 0.0) / tok,
-                        "train/logprob_mismatch": ts.get("logprob_mismatch", 0.0) / tok,
                         "train/is_truncated": ts.get("is_truncated", 0.0) / tok})
         t.log_metrics(metrics, step)
         run.mark(f"publish_{step + 1:04d}", {"uri": run.weights_uri(step + 1), "metrics": metrics})
@@ -683,6 +687,7 @@ def elastic_rl(run_dir: str) -> dict:
     (out / "summary.json").write_text(json.dumps(summary, indent=1))
     for f in ("role_timeline.png", "decisions.json", "summary.json"):
         t.log_artifact(out / f, "elastic")
+    summary["rl_wall_s"] = time.time() - t0     # agents' start-up and the writes after included
     return run.mark("elastic", summary)
 
 

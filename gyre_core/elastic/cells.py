@@ -109,6 +109,9 @@ class EmulatedDevice:
     def add_grads(self, grads) -> None:
         pass
 
+    def become_core(self) -> None:
+        pass
+
     def set_version(self, version: int) -> None:
         self.version = version
 
@@ -217,6 +220,15 @@ class RealDevice:
 
     cell_is_core = False
 
+    def become_core(self) -> None:
+        """The old core was lost: take the newest published weights and a fresh trainer over them (the
+        optimizer keeps its own copy of the weights, which must not be the warm start's; Adam's moments
+        restart — the coordinator says so in the run's notes)."""
+        self._sync()
+        self.trainer = None
+        self._trainer()
+        self.cell_is_core = True
+
     def add_grads(self, grads) -> None:
         import torch
 
@@ -312,7 +324,7 @@ class Agent:
         elif kind == "weights":
             self.device.set_version(msg[1])
         elif kind == "core":             # this cell now holds the optimizer (the old core was lost)
-            self.device.cell_is_core = True
+            self.device.become_core()
         elif kind == "stop":
             return False
         else:

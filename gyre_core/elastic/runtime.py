@@ -82,6 +82,7 @@ class ElasticResult:
     micro_s: list[float] = field(default_factory=list)
     optim_s: list[float] = field(default_factory=list)
     train_stats: dict = field(default_factory=dict)
+    micro_by_cell: dict = field(default_factory=dict)
 
     def plot(self, path: str) -> str:
         """The role timeline of this run as a PNG (cells × time by role, switch ticks, w(t) below)."""
@@ -99,7 +100,8 @@ class ElasticResult:
                 "decisions": [d.to_dict() for d in self.decisions], "notes": self.notes,
                 "calls": len(self.call_s), "call_s_mean": _mean(self.call_s),
                 "micro_steps": len(self.micro_s), "micro_s_total": sum(self.micro_s),
-                "optim_s_mean": _mean(self.optim_s)}
+                "optim_s_mean": _mean(self.optim_s),
+                "micro_steps_by_cell": {str(k): v for k, v in sorted(self.micro_by_cell.items())}}
 
 
 class Coordinator:
@@ -134,7 +136,9 @@ class Coordinator:
         self.micro_s: list[float] = []             # device seconds of each micro-step, as the cell measured
         self.optim_s: list[float] = []             # ... of each update (optimizer step and publish)
         self.train_stats: dict[int, dict] = {}    # version trained from → summed micro-step statistics
+        self.micro_by_cell: dict[int, int] = {}   # micro-steps each cell computed (and that counted)
         self.kill_cell_at = kill_cell_at     # tests: (cell, seconds) SIGKILLs a cell mid-run
+        self._procs: list[subprocess.Popen] = []
 
     # -- clock and records ---------------------------------------------------------------------
     def now(self) -> float:
@@ -176,13 +180,17 @@ class Coordinator:
         env = dict(os.environ, GYRE_CELL_KEY=key, OMP_NUM_THREADS=str(self.cfg.devices_per_cell))
         for var in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK"):
             env.pop(var, None)    # each cell's trainer is its own process group (this one's port is taken)
+        gpus = _gpu_slices(self.cfg) if self.work.mode == "real" else None
         procs = []
         for i in range(self.cfg.cells):
+            if gpus is not None:   # cell i owns its own devices_per_cell GPUs
+                env = dict(env, CUDA_VISIBLE_DEVICES=gpus[i])
             cmd = [sys.executable, "-m", "gyre_core.elastic.cells", "--cell", str(i),
                    "--coordinator", f"{host}:{port}", "--threads", str(self.cfg.devices_per_cell),
                    *self.work.cell_args()]
             # the agents' chatter goes to stderr: a coordinator's stdout may be a JSON answer
             procs.append(subprocess.Popen(cmd, env=env, stdout=2))
+            self._procs.append(procs[-1])
         arrived: queue.Queue = queue.Queue()
 
         def accept() -> None:
@@ -230,6 +238,7 @@ class Coordinator:
             except Exception as e:    # an unreadable message: the cell cannot be trusted any more
                 self.events.put((c.index, ("dead", f"unreadable message ({type(e).__name__}: {e})")))
                 return
+            c.last_seen = time.monotonic()    # any message is a sign of life, however busy the main loop is
             if msg[0] == "done":     # answers go straight to the router (executions are waiting on them)
                 self.router.on_done(c.index, *msg[1:])
                 self.events.put((c.index, ("beat",)))
@@ -238,8 +247,18 @@ class Coordinator:
 
     # -- the run ---------------------------------------------------------------------------------
     def run(self) -> ElasticResult:
-        self._start_cells()
+        try:
+            self._start_cells()
+        except BaseException:
+            for c in self.cells.values():
+                c.conn.close()
+            for p in self._procs:
+                if p.poll() is None:
+                    p.kill()
+            raise
         self.t0 = time.monotonic()
+        for c in self.cells.values():
+            c.last_seen = self.t0     # the silence clock starts with the run, not at each cell's hello
         for i in self.order:
             self.router.open(i)
         try:
@@ -272,9 +291,18 @@ class Coordinator:
         self.stream.open_burst(s, n)
         self.dispatched += n
         self.load.append((self.now(), self.dispatched - self.finished))
-        for th in self.work.start_burst(s, self.router, self._report):
+        for job in self.work.start_burst(s, self.router, self._report):
+            th = threading.Thread(target=self._guarded, args=(job,), daemon=True)
             th.start()
             self.threads.append(th)
+
+    def _guarded(self, job) -> None:
+        """An execution's thread: an exception stops the run with its message (it would otherwise wait
+        forever for an execution that never reports)."""
+        try:
+            job()
+        except Exception as e:   # noqa: BLE001 — reported to the main loop, which raises it
+            self.events.put((-1, ("error", f"an execution failed outside the harness: {type(e).__name__}: {e}")))
 
     def _report(self, burst: int, items: list) -> None:
         """An execution ended (harness thread): count it; stream what is ready to train."""
@@ -326,8 +354,10 @@ class Coordinator:
 
     def _handle(self, cell: int, msg: tuple) -> None:
         kind = msg[0]
-        if cell >= 0:
-            self.cells[cell].last_seen = time.monotonic()
+        if cell >= 0 and self.cells[cell].role == "dead":
+            return           # a cell declared dead that still talks: its work was reclaimed already
+        if kind == "error":  # a harness thread failed: stop, rather than wait for an execution that never ends
+            raise RuntimeError(f"gyre elastic: {msg[1]}")
         if kind == "finished":
             _, burst, items = msg
             self.finished += 1
@@ -347,13 +377,15 @@ class Coordinator:
                 self.router.open(cell)
         elif kind == "micro_done":
             c = self.cells[cell]
-            if len(msg) > 3 and msg[3] is not None and self.order and cell != self.order[0]:
-                self._send(self.order[0], ("grads", msg[3]))   # a satellite's gradient, to the core
-            self.stream.complete(msg[1], cell)
-            self.micro_s.append(msg[2])
-            sums = self.train_stats.setdefault(self.version, {})   # micro-steps train the current version
-            for key, v in (msg[4] if len(msg) > 4 else {}).items():
-                sums[key] = sums.get(key, 0.0) + v
+            # only a micro-step still held by this cell counts (one reclaimed or reset is trained again)
+            if self.stream.complete(msg[1], cell):
+                if msg[3] is not None and cell != self.order[0]:
+                    self._send(self.order[0], ("grads", msg[3]))   # a satellite's gradient, to the core
+                self.micro_s.append(msg[2])
+                self.micro_by_cell[cell] = self.micro_by_cell.get(cell, 0) + 1
+                sums = self.train_stats.setdefault(self.version, {})   # micro-steps train the current version
+                for key, v in msg[4].items():
+                    sums[key] = sums.get(key, 0.0) + v
             self.busy_spans.append(BusySpan(cell, c.busy_t0, self.now(), TRAIN))
             c.busy = False
         elif kind == "optim_done":
@@ -393,6 +425,8 @@ class Coordinator:
             self.busy_spans.append(BusySpan(cell, c.busy_t0, self.now(), c.role))
         self._set_role(c, "dead")
         c.target, c.busy = "dead", False
+        if c.proc is not None and c.proc.poll() is None:
+            c.proc.kill()          # silent but alive: make sure it cannot act on anything any more
         self.order.remove(cell)
         self.dead.append(cell)
         rerouted = self.router.cell_lost(cell)
@@ -405,7 +439,8 @@ class Coordinator:
             redo = self.stream.reset_burst(self.version)
             self.updating = False
             self._send(self.order[0], ("core",))
-            note += f"; cell {self.order[0]} is the new core ({redo} micro-step(s) of step {self.version} redone)"
+            note += (f"; cell {self.order[0]} is the new core ({redo} micro-step(s) of step {self.version} redone, "
+                     f"its optimizer restarted from the published v{self.version})")
         self.notes.append(note)
         print(f"gyre elastic: {note}", file=sys.stderr, flush=True)
         if not self.order:
@@ -435,7 +470,22 @@ class Coordinator:
             stale_dropped=self.stream.dropped_stale, decisions=self.decisions, role_spans=self.role_spans,
             busy_spans=self.busy_spans, switch_marks=self.marks, executions=getattr(self.work, "logs", []),
             notes=self.notes, load=self.load, call_s=list(self.router.call_s), micro_s=self.micro_s,
-            optim_s=self.optim_s, train_stats=self.train_stats)
+            optim_s=self.optim_s, train_stats=self.train_stats, micro_by_cell=self.micro_by_cell)
+
+
+def _gpu_slices(ecfg: ElasticConfig) -> list[str] | None:
+    """CUDA_VISIBLE_DEVICES for each real cell (consecutive slices of the visible GPUs); None on CPU."""
+    try:
+        import torch
+
+        if not torch.cuda.is_available():
+            return None
+    except ImportError:
+        return None
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    ids = [x for x in visible.split(",") if x] if visible else [str(i) for i in range(torch.cuda.device_count())]
+    n = ecfg.devices_per_cell
+    return [",".join(ids[i * n:(i + 1) * n]) for i in range(ecfg.cells)]
 
 
 def available_devices(ecfg: ElasticConfig) -> tuple[int, str]:

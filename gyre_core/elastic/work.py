@@ -1,8 +1,8 @@
 """What the coordinator's executions and cells actually do: emulated, or the real harness and model.
 
 Both kinds answer the same questions, so the coordinator, router, controller and queues are one code:
-how many bursts, what to start for burst s (executions that call `router.call` and report each finished
-execution), what a micro-step and an update cost the cell, and the extra arguments a cell agent needs.
+how many bursts, what to start for burst s (one job per execution, run on its own thread by the
+coordinator: it calls `router.call` and reports when it finishes), what a micro-step and an update cost the cell, and the extra arguments a cell agent needs.
 
 - `EmulatedWork(workload)`: each execution makes the workload's n calls (TOKENS_PER_CALL tokens each,
   `call_s` of emulated device time) with `env_s` of environment latency after each; a micro-step costs
@@ -13,6 +13,7 @@ execution), what a micro-step and an update cost the cell, and the extra argumen
 """
 from __future__ import annotations
 
+import functools
 import json
 import threading
 import time
@@ -51,13 +52,13 @@ class EmulatedWork:
     def cell_args(self) -> list[str]:
         return ["--mode", "emulated"]
 
-    def start_burst(self, s: int, router, report: Report) -> list[threading.Thread]:
-        threads = []
+    def start_burst(self, s: int, router, report: Report) -> list[Callable[[], None]]:
+        jobs = []
         for i, n in enumerate(self.w.calls(s)):
             log = ExecutionLog(f"b{s}/e{i}", s)
             self.logs.append(log)
-            threads.append(threading.Thread(target=self._execution, args=(log, n, router, report), daemon=True))
-        return threads
+            jobs.append(functools.partial(self._execution, log, n, router, report))
+        return jobs
 
     def _execution(self, log: ExecutionLog, n_calls: int, router, report: Report) -> None:
         prompt: list[int] = [0] * 4
@@ -138,7 +139,7 @@ class HarnessWork:
     def burst_size(self, s: int) -> int:
         return self.cfg.rollout.tasks_per_step * self.cfg.rollout.group_size
 
-    def start_burst(self, s: int, router, report: Report) -> list[threading.Thread]:
+    def start_burst(self, s: int, router, report: Report) -> list[Callable[[], None]]:
         from ..harness.loop import ExecutionSpec
 
         run, ro = self.run, self.cfg.rollout
@@ -150,8 +151,7 @@ class HarnessWork:
         from .. import steps as st
 
         st._policy(self.run)          # the tokenizer and chat format, loaded once before the threads share it
-        return [threading.Thread(target=self._execution, args=(spec, router, report), daemon=True)
-                for spec in specs]
+        return [functools.partial(self._execution, spec, router, report) for spec in specs]
 
     def _execution(self, spec, router, report: Report) -> None:
         """One execution on its own thread: a model call, then its environment turn, at its own pace
@@ -170,7 +170,7 @@ class HarnessWork:
 
     def _finished(self, rec, report: Report) -> None:
         """Score a task's group once all of it is in; stream each execution's sequences."""
-        from ..processor.batch import execution_sequences, group_advantages, reward_of
+        from ..processor.batch import RecordMismatch, execution_sequences, group_advantages, reward_of
 
         rl = self.cfg.rl
         rec.reward = reward_of(rec.success, rec.partial, rl.partial_reward) if rec.status != "failed" else 0.0
@@ -187,7 +187,10 @@ class HarnessWork:
                                rl.advantage_norm)
         items = []
         for r in group:
-            seqs = execution_sequences(r, adv[r.execution_id]) if r.execution_id in adv else []
+            try:
+                seqs = execution_sequences(r, adv[r.execution_id]) if r.execution_id in adv else []
+            except RecordMismatch:   # a record whose calls do not line up is not trained (as in build_batch)
+                seqs = []
             items.append((r.execution_id, seqs, [v for sq in seqs for v, w in zip(sq.versions, sq.weights) if w]))
         report(rec.step, items)
 

@@ -30,7 +30,8 @@ def test_real_cells_train_with_exact_per_token_versions(tmp_path):
     cfg = load_config("smoke", [
         f"run.out_root={tmp_path}/runs", f"lake.root={tmp_path}/lake", f"tracking.uri=sqlite:///{tmp_path}/m.db",
         "elastic.enabled=true", "elastic.mode=real", "elastic.cells=2", "elastic.policy=elastic",
-        "elastic.micro_step_executions=2", "elastic.max_staleness=1", f"rl.steps={STEPS}", "rl.lr=3e-3",
+        "elastic.micro_step_executions=2", "elastic.max_staleness=1", "elastic.capacity=4",
+        f"rl.steps={STEPS}", "rl.lr=3e-3",
         "eval.episodes=8", "eval.greedy_episodes=0", "eval.random_baseline=false"])
     run_dir = st.prepare(cfg)
     st.warm_start(run_dir)
@@ -40,6 +41,8 @@ def test_real_cells_train_with_exact_per_token_versions(tmp_path):
     # the elastic phase left what the step loop leaves: a publish marker per version, a lake part per step
     assert st.latest_version(run) == STEPS
     assert summary["dead_cells"] == [] and summary["switches"] >= 1
+    # both cells trained: the satellite's gradients went through the coordinator into the core's update
+    assert set(summary["micro_steps_by_cell"]) == {"0", "1"}, summary["micro_steps_by_cell"]
     n_per_step = cfg.rollout.tasks_per_step * cfg.rollout.group_size
     records = {s: st._read_records(run, f"step={s}") for s in range(STEPS)}
     assert all(len(records[s]) == n_per_step for s in range(STEPS))
