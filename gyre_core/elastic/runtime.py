@@ -117,7 +117,7 @@ class Coordinator:
         self.events: queue.Queue = queue.Queue()
         self.cells: dict[int, _CellState] = {}
         self.order: list[int] = []            # alive cells, core first
-        self.router = Router(ecfg.capacity, self._send_gen, self._on_rollout_busy)
+        self.router = Router(ecfg.capacity, self._send, self._on_rollout_busy)
         self.stream = MicroStepQueue(ecfg.micro_step_executions, self.staleness)
         self.version = 0
         self.next_burst = 0
@@ -168,9 +168,6 @@ class Coordinator:
                 c.conn.send(msg)
         except (OSError, EOFError):
             self.events.put((cell, ("dead", "connection lost on send")))
-
-    def _send_gen(self, cell: int, msg: tuple) -> None:
-        self._send(cell, msg)
 
     # -- cells -----------------------------------------------------------------------------------
     def _start_cells(self) -> None:

@@ -99,11 +99,14 @@ class RouterPolicy:
             ex_id = c.execution.record.execution_id
             outs[i] = self.router.call(ex_id, CallRequest(c.key, list(c.prompt_ids), c.max_new_tokens,
                                                           self.temperature))
-        threads = [threading.Thread(target=one, args=(i, c), daemon=True) for i, c in enumerate(calls)]
-        for th in threads:
-            th.start()
-        for th in threads:
-            th.join()
+        if len(calls) == 1:       # one execution per thread (HarnessWork): no helper thread needed
+            one(0, calls[0])
+        else:
+            threads = [threading.Thread(target=one, args=(i, c), daemon=True) for i, c in enumerate(calls)]
+            for th in threads:
+                th.start()
+            for th in threads:
+                th.join()
         return [Completion(o.ids, o.logprobs, o.finish_reason, min(o.versions, default=0), 0.0, list(o.versions))
                 for o in outs]
 
@@ -140,6 +143,7 @@ class HarnessWork:
         return self.cfg.rollout.tasks_per_step * self.cfg.rollout.group_size
 
     def start_burst(self, s: int, router, report: Report) -> list[Callable[[], None]]:
+        from .. import steps as st
         from ..harness.loop import ExecutionSpec
 
         run, ro = self.run, self.cfg.rollout
@@ -148,8 +152,6 @@ class HarnessWork:
             seed = self.cfg.env.train_seed_start + s * ro.tasks_per_step + b
             specs += [ExecutionSpec(run.run_id, s, f"{run.run_id}/s{s}/t{b}/g{g}", f"seed{seed}", seed, "train", s)
                       for g in range(ro.group_size)]
-        from .. import steps as st
-
         st._policy(self.run)          # the tokenizer and chat format, loaded once before the threads share it
         return [functools.partial(self._execution, spec, router, report) for spec in specs]
 

@@ -63,7 +63,8 @@ def test_real_cells_train_with_exact_per_token_versions(tmp_path):
                 assert len(call.versions) == len(call.completion_ids) == len(call.logprobs)
                 assert all(max(0, s - 1) <= v <= s for v in call.versions), (s, call.versions)
                 assert call.versions == sorted(call.versions)     # a rerouted call never goes back in time
-                by_version.setdefault(call.versions[0], []).append(call) if call.versions else None
+                if call.versions:
+                    by_version.setdefault(call.versions[0], []).append(call)
     assert set(by_version) >= {0, 1}
     checked = 0
     for v, calls in by_version.items():
