@@ -33,6 +33,7 @@ from typing import Any
 import duckdb
 from fsspec import AbstractFileSystem
 
+from gyre_core.lake.dedup import EXECUTION_CONTENT_VIEW
 from gyre_core.lake.schema import SCHEMAS, duckdb_type
 from gyre_core.lake.store import Lake
 
@@ -160,6 +161,7 @@ def connect(root: str, run_id: str | None = None,
             for table, urls in views.items():
                 build.execute(_view_sql(table, urls))
             build.execute(TOKENS_VIEW)
+            build.execute(EXECUTION_CONTENT_VIEW)
         finally:
             build.close()
         con = duckdb.connect(db, read_only=True, config=_START_CONFIG)
