@@ -190,7 +190,9 @@ class Execution:
         except Exception as exc:
             self._fail(exc)
             return
-        if not result.valid:
+        if result.valid:    # the environment ran the action: one tool invocation, named after the call
+            call.tool_call_ids = [f"{rec.execution_id}/{call.call_index}"]
+        else:
             rec.invalid_actions += 1
         if result.done:
             return self._finish(STATUS_DONE)

@@ -9,27 +9,62 @@ A part is a label (`step=3`, `step=-1`, `eval=before`, `demos`); the rows keep a
 The manifest is written last and is the commit: S3 has no atomic rename, so readers see only the files
 a manifest lists, and a part whose writer died before its manifest is invisible. A retry of the same
 part first removes the old manifest, then replaces the files under the same names: it never duplicates.
+
+Also here, each a method of `Lake`:
+  * versions: a manifest of a newer schema version than this code, or an older one it cannot read, stops
+    the read with both versions named (`LakeVersionError`); older files lack newer columns, read as NULL.
+  * payloads: a call whose new prompt ids exceed `payload_bytes` keeps them in a content-addressed object
+    `<part>/payloads/<sha256>.int32` (listed by the manifest); the row keeps its lake-relative URI.
+  * quarantine: every listed file is checked once per process (size, Parquet footer, row count, column
+    types) before it is read; a bad one is moved to `<root>/_quarantine/...` with the reason, its manifest
+    entry is dropped, a warning names the path, and every read goes on with the rest.
+  * cleanup: `cleanup(run)` removes what a crashed writer left (parts without a manifest, temp files,
+    unlisted files) and finishes an interrupted compaction.
+  * compaction: `compact(run)` merges the files of finished RL steps (`step=N`, `score=N`, `process=N`
+    below the run's newest step) into one file per table in a `compacted-<id>` part; its manifest is the
+    commit, after which the covered parts keep their manifests (the completion markers) with
+    `compacted_into` and no files of their own. Query results do not change.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
+import sys
+import threading
 import uuid
 from datetime import datetime, timezone
 from typing import Any
 
 import fsspec
+import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 from fsspec.implementations.local import LocalFileSystem
 
-from gyre_core.lake.schema import METADATA_KEY, SCHEMAS, read_executions
+from gyre_core.lake.schema import ADDED_IN, METADATA_KEY, SCHEMAS, read_executions
 from gyre_core.records import SCHEMA_VERSION, ExecutionRecord
 
 MANIFEST = "_MANIFEST.json"
+MIN_READ_VERSION = 1                           # the oldest lake schema version this code reads
+QUARANTINE = "_quarantine"
+PAYLOADS = "payloads"
+COMPACTED = "compacted-"                        # label prefix of a compaction part
 _NAME = re.compile(r"^[A-Za-z0-9_.=+-]+$")   # run ids, part labels
 _TABLE = re.compile(r"^[a-z][a-z0-9_]*$")
+_STEP_PART = re.compile(r"^(step|score|process)=(-?\d+)$")   # the parts compaction may merge
+_verified: set[tuple[str, str, int, str]] = set()   # (protocol, path, bytes, written_at) checked this process
+_verified_lock = threading.Lock()
+
+
+class LakeVersionError(ValueError):
+    """A manifest or file written with a lake schema version this code cannot read."""
+
+
+def _warn(msg: str) -> None:
+    print(f"gyre lake: {msg}", file=sys.stderr, flush=True)
 
 
 def step_part(step: int) -> str:
@@ -52,12 +87,20 @@ def _part_key(part: str) -> tuple[int, int | str]:
 class Lake:
     """Write and read the lake's tables; `files()` is what `gyre_core.lake.sql.connect` scans."""
 
-    def __init__(self, root: str, storage_options: dict[str, Any] | None = None):
+    def __init__(self, root: str, storage_options: dict[str, Any] | None = None,
+                 payload_bytes: int = 4 << 20):
         self.root = str(root)
         self.fs, path = fsspec.core.url_to_fs(self.root, **(storage_options or {}))
         self.path = path.rstrip("/")
         self.local = isinstance(self.fs, LocalFileSystem)
+        self.payload_bytes = int(payload_bytes)
         self._writable = False
+
+    @classmethod
+    def from_config(cls, lake_cfg) -> "Lake":
+        """The lake a run's `lake` config section names."""
+        return cls(lake_cfg.root, dict(lake_cfg.storage_options or {}),
+                   payload_bytes=int(lake_cfg.payload_mb * (1 << 20)))
 
     def __repr__(self) -> str:
         return f"Lake({self.root!r})"
@@ -67,8 +110,10 @@ class Lake:
         """A path of this filesystem as a URL that fsspec and DuckDB understand."""
         if self.local:
             return path
-        proto = self.fs.protocol if isinstance(self.fs.protocol, str) else self.fs.protocol[0]
-        return f"{proto}://{path}"
+        return f"{self._protocol()}://{path}"
+
+    def _protocol(self) -> str:
+        return self.fs.protocol if isinstance(self.fs.protocol, str) else self.fs.protocol[0]
 
     def part_dir(self, run_id: str, part: str) -> str:
         return f"{self.path}/runs/{_check_name('run id', run_id)}/{_check_name('part', part)}"
@@ -79,9 +124,20 @@ class Lake:
 
     # ---- writing -----------------------------------------------------------------------------
     def check_writable(self) -> None:
-        """Raise ValueError (one line) unless the root can be created and written."""
+        """Raise ValueError (one line) unless the root can be created and written.
+
+        A local root may be created when its parent exists; an object-store bucket must exist already
+        (a typo in a bucket name must not create a bucket)."""
         probe = f"{self.path}/.gyre-write-check-{uuid.uuid4().hex}"
         try:
+            if self.local:
+                parent = os.path.dirname(self.path) or "."
+                if not os.path.isdir(self.path) and not os.path.isdir(parent):
+                    raise FileNotFoundError(f"neither it nor its parent directory {parent!r} exists")
+            else:
+                bucket = self.path.split("/", 1)[0]
+                if not self.fs.exists(bucket):
+                    raise FileNotFoundError(f"bucket {bucket!r} does not exist")
             self.fs.makedirs(self.path, exist_ok=True)
             with self.fs.open(probe, "wb") as f:
                 f.write(b"ok")
@@ -99,11 +155,18 @@ class Lake:
         if not self._writable:
             self.check_writable()
         manifest = f"{d}/{MANIFEST}"
-        if self.fs.exists(manifest):      # un-commit first: a half-done retry must not look committed
+        old = self._read_manifest(manifest)
+        if old is not None and old.get("compacted_into"):
+            raise ValueError(f"part {part!r} of run {run_id!r} was compacted into {old['compacted_into']!r}: "
+                             f"a finished step is not rewritten")
+        if old is not None:               # un-commit first: a half-done retry must not look committed
             self.fs.rm_file(manifest)
         self.fs.makedirs(d, exist_ok=True)
-        files = {}
+        files, payloads = {}, []
         for name, table in sorted(tables.items()):
+            if name == "calls" and "payload_uri" in table.column_names:
+                table, written = self._offload_payloads(run_id, part, table)
+                payloads += written
             fname = f"{name}.parquet"
             self._put(f"{d}/{fname}", lambda f, t=_with_version(table): pq.write_table(t, f))
             files[name] = {"file": fname, "rows": table.num_rows, "bytes": self.fs.size(f"{d}/{fname}")}
@@ -115,9 +178,10 @@ class Lake:
             "written_at": datetime.now(timezone.utc).isoformat(),
             "files": files,
         }
-        data = json.dumps(body, indent=2, sort_keys=True).encode()
-        self._put(manifest, lambda f: f.write(data))
-        self._remove_strays(d, {v["file"] for v in files.values()} | {MANIFEST})
+        if payloads:
+            body["payloads"] = sorted(set(payloads))
+        self._put_json(manifest, body)
+        self._remove_strays(d, {v["file"] for v in files.values()} | {MANIFEST}, set(body.get("payloads", [])))
         return manifest
 
     def _put(self, path: str, write) -> None:
@@ -136,19 +200,79 @@ class Lake:
             if os.path.exists(tmp):
                 os.remove(tmp)
 
-    def _remove_strays(self, d: str, keep: set[str]) -> None:
+    def _put_json(self, path: str, body: dict[str, Any]) -> None:
+        data = json.dumps(body, indent=2, sort_keys=True).encode()
+        self._put(path, lambda f: f.write(data))
+
+    def _offload_payloads(self, run_id: str, part: str, table: pa.Table) -> tuple[pa.Table, list[str]]:
+        """Move new prompt ids longer than `payload_bytes` into content-addressed objects of the part."""
+        col = table.column("new_prompt_ids")
+        lengths = pc.list_value_length(col).fill_null(0).to_numpy(zero_copy_only=False)
+        big = np.flatnonzero(lengths * 4 > self.payload_bytes)
+        if not len(big):
+            return table, []
+        ids, uris = col.to_pylist(), table.column("payload_uri").to_pylist()
+        d = self.part_dir(run_id, part)
+        self.fs.makedirs(f"{d}/{PAYLOADS}", exist_ok=True)
+        written = []
+        for i in big:
+            data = np.asarray(ids[i], dtype="<i4").tobytes()
+            name = f"{PAYLOADS}/{hashlib.sha256(data).hexdigest()[:32]}.int32"
+            path = f"{d}/{name}"
+            if name not in written and not self.fs.exists(path):
+                self._put(path, lambda f, b=data: f.write(b))
+            written.append(name)
+            ids[i], uris[i] = [], self.relpath(path)
+        table = table.set_column(table.schema.get_field_index("new_prompt_ids"), table.schema.field("new_prompt_ids"),
+                                 pa.array(ids, type=col.type))
+        table = table.set_column(table.schema.get_field_index("payload_uri"), table.schema.field("payload_uri"),
+                                 pa.array(uris, type=pa.string()))
+        return table, written
+
+    def _resolve_payloads(self, table: pa.Table) -> pa.Table:
+        """Put offloaded prompt ids back into a calls table."""
+        if "payload_uri" not in table.column_names or table.column("payload_uri").null_count == table.num_rows:
+            return table
+        ids, uris = table.column("new_prompt_ids").to_pylist(), table.column("payload_uri").to_pylist()
+        for i, uri in enumerate(uris):
+            if uri:
+                with self.fs.open(f"{self.path}/{uri}", "rb") as f:
+                    ids[i] = np.frombuffer(f.read(), dtype="<i4").tolist()
+        i = table.schema.get_field_index("new_prompt_ids")
+        return table.set_column(i, table.schema.field(i), pa.array(ids, type=table.schema.field(i).type))
+
+    def _remove_strays(self, d: str, keep: set[str], payloads: set[str] = frozenset()) -> int:
         # Files of an earlier attempt that this one no longer lists (or a crashed temp file).
+        removed = 0
         for p in self.fs.ls(d, detail=False):
-            if p.rstrip("/").rsplit("/", 1)[-1] not in keep:
+            name = p.rstrip("/").rsplit("/", 1)[-1]
+            if name == PAYLOADS and payloads:
+                for q in self.fs.ls(f"{d}/{PAYLOADS}", detail=False):
+                    if f"{PAYLOADS}/{q.rstrip('/').rsplit('/', 1)[-1]}" not in payloads:
+                        self.fs.rm(q, recursive=True)
+                        removed += 1
+            elif name not in keep:
                 self.fs.rm(p, recursive=True)
+                removed += 1
+        return removed
 
     # ---- reading -----------------------------------------------------------------------------
-    def manifest(self, run_id: str, part: str) -> dict[str, Any] | None:
+    def _read_manifest(self, path: str) -> dict[str, Any] | None:
         try:
-            with self.fs.open(f"{self.part_dir(run_id, part)}/{MANIFEST}", "rb") as f:
-                return json.loads(f.read())
+            with self.fs.open(path, "rb") as f:
+                body = json.loads(f.read())
         except FileNotFoundError:
             return None
+        v = body.get("schema_version")
+        if not isinstance(v, int) or not MIN_READ_VERSION <= v <= SCHEMA_VERSION:
+            hint = "upgrade Gyre to read it" if isinstance(v, int) and v > SCHEMA_VERSION else \
+                "rewrite it with a Gyre that can read it"
+            raise LakeVersionError(f"{self.url(path)}: written with lake schema version {v}; this Gyre reads "
+                                   f"versions {MIN_READ_VERSION}..{SCHEMA_VERSION} ({hint})")
+        return body
+
+    def manifest(self, run_id: str, part: str) -> dict[str, Any] | None:
+        return self._read_manifest(f"{self.part_dir(run_id, part)}/{MANIFEST}")
 
     def committed(self, run_id: str, part: str) -> bool:
         return self.fs.exists(f"{self.part_dir(run_id, part)}/{MANIFEST}")
@@ -176,25 +300,43 @@ class Lake:
         return [r for r in self._dirs(f"{self.path}/runs") if _NAME.match(r) and self._parts(r)]
 
     def manifests(self, run_id: str | None = None, part: str | None = None) -> list[dict[str, Any]]:
-        """The committed manifests (all runs, one run, one part), each read once."""
+        """The committed manifests (all runs, one run, one part), each read once. With a part of a
+        compacted run, the compaction that holds its rows comes too."""
         self.fs.invalidate_cache()        # another process may have committed since we last listed
         out = []
         for run in [run_id] if run_id is not None else self.runs():
-            for p in [part] if part is not None else self._parts(run):
+            labels = [part] if part is not None else self._parts(run)
+            found = []
+            for p in labels:
                 m = self.manifest(run, p)
                 if m is not None:     # where a manifest lies is what counts, should a lake be moved
-                    out.append({**m, "run_id": run, "part": p})
+                    found.append({**m, "run_id": run, "part": p})
+            if part is not None and found and found[0].get("compacted_into"):
+                c = self.manifest(run, found[0]["compacted_into"])
+                if c is not None:
+                    found.append({**c, "run_id": run, "part": found[0]["compacted_into"]})
+            out += found
         return out
 
     def entries(self, table: str, run_id: str | None = None, part: str | None = None,
-                manifests: list[dict[str, Any]] | None = None) -> list[dict[str, Any]]:
-        """Manifest entries ({path, rows, bytes, written_at}) of a table's committed files."""
+                manifests: list[dict[str, Any]] | None = None, verify: bool = True) -> list[dict[str, Any]]:
+        """Manifest entries ({path, rows, bytes, written_at}, and `step` when only one step of a compacted
+        file belongs to the part asked for) of a table's committed, readable files."""
+        ms = self.manifests(run_id, part) if manifests is None else manifests
+        covered = {(m["run_id"], p): m["part"] for m in ms for p in m.get("covers", [])}
         out = []
-        for m in self.manifests(run_id, part) if manifests is None else manifests:
-            if table in m["files"]:
-                e = m["files"][table]
-                out.append({"path": f"{self.part_dir(m['run_id'], m['part'])}/{e['file']}", "rows": e["rows"],
-                            "bytes": e["bytes"], "written_at": m["written_at"]})
+        for m in ms:
+            if (m["run_id"], m["part"]) in covered or table not in m["files"]:
+                continue             # rows now in a compaction (a crash may have left the old files)
+            e = m["files"][table]
+            entry = {"path": f"{self.part_dir(m['run_id'], m['part'])}/{e['file']}", "rows": e["rows"],
+                     "bytes": e["bytes"], "written_at": m["written_at"], "run_id": m["run_id"],
+                     "part": m["part"], "table": table}
+            if part is not None and m["part"] != part:        # the compaction holding the part's rows
+                entry["step"] = int(_STEP_PART.match(part).group(2))
+            if verify and not self._verify(entry):
+                continue
+            out.append(entry)
         return out
 
     def files(self, table: str, run_id: str | None = None, part: str | None = None) -> list[str]:
@@ -203,16 +345,203 @@ class Lake:
 
     def read(self, table: str, run_id: str | None = None, part: str | None = None) -> pa.Table:
         """A table's committed rows (columns unioned by name across files)."""
-        paths = [e["path"] for e in self.entries(table, run_id, part)]
-        if not paths:
+        tables = []
+        for e in self.entries(table, run_id, part):
+            t = pq.read_table(e["path"], filesystem=self.fs)
+            if "step" in e:
+                t = t.filter(pc.equal(t.column("step"), e["step"]))
+            tables.append(t)
+        if not tables:
             schema = SCHEMAS.get(table)
             return schema.empty_table() if schema is not None else pa.table({})
-        tables = [pq.read_table(p, filesystem=self.fs) for p in paths]
-        return pa.concat_tables(tables, promote_options="permissive")
+        out = pa.concat_tables(tables, promote_options="permissive")
+        return self._resolve_payloads(out) if table == "calls" else out
 
     def read_records(self, run_id: str, part: str | None = None) -> list[ExecutionRecord]:
         """ExecutionRecords (full calls) of a run, or of one part of it."""
         return read_executions(self.read("executions", run_id, part), self.read("calls", run_id, part))
+
+    # ---- bad files: checked once, quarantined ------------------------------------------------
+    def _verify(self, entry: dict[str, Any]) -> bool:
+        """True when the listed file is what its manifest says; otherwise quarantine it and say so."""
+        key = (self._protocol(), entry["path"], entry["bytes"], entry["written_at"])
+        with _verified_lock:
+            if key in _verified:
+                return True
+        problem = self._file_problem(entry)
+        if problem is None:
+            with _verified_lock:
+                _verified.add(key)
+            return True
+        self.quarantine(entry["run_id"], entry["part"], entry["table"], problem)
+        return False
+
+    def _file_problem(self, entry: dict[str, Any]) -> str | None:
+        path, table = entry["path"], entry["table"]
+        try:
+            size = self.fs.size(path)
+            if size != entry["bytes"]:
+                return f"{size} bytes, its manifest says {entry['bytes']} (truncated or replaced)"
+            with self.fs.open(path, "rb") as f:
+                pf = pq.ParquetFile(f)
+                rows, schema = pf.metadata.num_rows, pf.schema_arrow
+        except FileNotFoundError:
+            return "missing"
+        except Exception as e:  # noqa: BLE001 - whatever pyarrow says about a broken file
+            return f"not a readable Parquet file ({type(e).__name__}: {' '.join(str(e).split())})"
+        if rows != entry["rows"]:
+            return f"{rows} rows, its manifest says {entry['rows']}"
+        version = int((schema.metadata or {}).get(METADATA_KEY, b"1"))
+        if version > SCHEMA_VERSION:
+            raise LakeVersionError(f"{self.url(path)}: written with lake schema version {version}; this Gyre "
+                                   f"reads versions {MIN_READ_VERSION}..{SCHEMA_VERSION} (upgrade Gyre to read it)")
+        for f in SCHEMAS.get(table, []):
+            i = schema.get_field_index(f.name)
+            if i < 0 and ADDED_IN.get(table, {}).get(f.name, 1) > version:
+                continue                  # a column added after the file's version: reads as NULL
+            if i < 0 or schema.field(i).type != f.type:
+                got = "missing" if i < 0 else str(schema.field(i).type)
+                return f"schema mismatch: column {f.name!r} should be {f.type}, is {got}"
+        return None
+
+    def quarantine(self, run_id: str, part: str, table: str, reason: str) -> str | None:
+        """Move a table's file of a part to `<root>/_quarantine/` (nothing is deleted), drop it from the
+        part's manifest, and say so. Returns where it went (None when the lake cannot be written)."""
+        d = self.part_dir(run_id, part)
+        m = self._read_manifest(f"{d}/{MANIFEST}")
+        if m is None or table not in m["files"]:
+            return None
+        src = f"{d}/{m['files'][table]['file']}"
+        stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%S")
+        dest = f"{self.path}/{QUARANTINE}/{run_id}/{part}/{stamp}-{m['files'][table]['file']}"
+        try:
+            if self.fs.exists(src):
+                self.fs.makedirs(dest.rsplit("/", 1)[0], exist_ok=True)
+                self.fs.mv(src, dest)
+            note = {"source": self.relpath(src), "reason": reason, "at": stamp, "manifest_entry": m["files"][table]}
+            self._put_json(f"{dest}.reason.json", note)
+            m.setdefault("quarantined", {})[table] = {**m["files"][table], "reason": reason,
+                                                      "moved_to": self.relpath(dest)}
+            del m["files"][table]
+            self._put_json(f"{d}/{MANIFEST}", {k: v for k, v in m.items() if k not in ("run_id", "part")} |
+                           {"run_id": run_id, "part": part})
+        except Exception as e:  # noqa: BLE001 - a read-only lake: skip the file in this session only
+            _warn(f"{self.url(src)}: {reason}; skipped (cannot move it to {QUARANTINE}/: {type(e).__name__}: {e})")
+            return None
+        _warn(f"{self.url(src)}: {reason}; moved to {self.url(dest)}, reading on without it")
+        return dest
+
+    def check(self, run_id: str | None = None) -> list[dict[str, Any]]:
+        """Check every listed file now (quarantining bad ones); returns what was quarantined."""
+        before = {(m["run_id"], m["part"]): set(m.get("quarantined", {})) for m in self.manifests(run_id)}
+        for table in SCHEMAS:
+            self.entries(table, run_id)
+        out = []
+        for m in self.manifests(run_id):
+            for table, q in m.get("quarantined", {}).items():
+                if table not in before.get((m["run_id"], m["part"]), set()):
+                    out.append({"run_id": m["run_id"], "part": m["part"], "table": table, **q})
+        return out
+
+    # ---- crash leftovers ---------------------------------------------------------------------
+    def cleanup(self, run_id: str) -> dict[str, int]:
+        """Remove what a crashed writer of this run left behind; finish an interrupted compaction.
+        Call it when no other process writes the run (at a run's start)."""
+        base = f"{self.path}/runs/{_check_name('run id', run_id)}"
+        self.fs.invalidate_cache()
+        report = {"uncommitted_parts": 0, "stray_files": 0, "compactions_finished": 0}
+        for p in self._dirs(base):
+            d = f"{base}/{p}"
+            m = self._read_manifest(f"{d}/{MANIFEST}")
+            if m is None:
+                self.fs.rm(d, recursive=True)
+                report["uncommitted_parts"] += 1
+                continue
+            keep = {v["file"] for v in m["files"].values()} | {MANIFEST}
+            report["stray_files"] += self._remove_strays(d, keep, set(m.get("payloads", [])))
+            if p.startswith(COMPACTED):
+                report["compactions_finished"] += self._retire_covered(run_id, p, m)
+        return report
+
+    # ---- compaction --------------------------------------------------------------------------
+    def compact(self, run_id: str, target_mb: float = 256.0, include_latest: bool = False) -> dict[str, Any]:
+        """Merge the files of a run's finished RL steps into compacted parts (one file per table each).
+
+        Finished: `step=N`, `score=N`, `process=N` parts with N below the run's newest committed step
+        (that one may still be in flight; `include_latest=True` takes it too). Query results are unchanged.
+        """
+        if not self._writable:
+            self.check_writable()
+        self.cleanup(run_id)
+        ms = [m for m in self.manifests(run_id) if not m.get("compacted_into") and not m.get("covers")]
+        steps = {m["part"]: int(_STEP_PART.match(m["part"]).group(2)) for m in ms if _STEP_PART.match(m["part"])}
+        if not steps:
+            return {"run_id": run_id, "compactions": [], "parts": 0, "files_before": 0, "files_after": 0}
+        newest = max(steps.values())
+        todo = sorted((m for m in ms if m["part"] in steps and (include_latest or steps[m["part"]] < newest)
+                       and m["files"]), key=lambda m: (steps[m["part"]], m["part"]))
+        groups, size = [[]], 0
+        for m in todo:                      # consecutive parts, up to target_mb of files per compaction
+            b = sum(e["bytes"] for e in m["files"].values())
+            if groups[-1] and size + b > target_mb * (1 << 20):
+                groups.append([])
+                size = 0
+            groups[-1].append(m)
+            size += b
+        made, files_before, files_after = [], 0, 0
+        for group in (g for g in groups if g):
+            label = f"{COMPACTED}{uuid.uuid4().hex[:12]}"
+            tables: dict[str, list[pa.Table]] = {}
+            kept = []
+            for m in group:
+                read = {t: pq.read_table(e["path"], filesystem=self.fs)
+                        for t in m["files"] for e in self.entries(t, manifests=[m])}
+                # a part's rows are found again in the merged file by their step: only parts whose rows
+                # all carry the step of their label are merged (the others stay as they are)
+                if not read or any(t.num_rows and pc.min_max(t.column("step")).as_py() !=
+                                   {"min": steps[m["part"]], "max": steps[m["part"]]} for t in read.values()):
+                    continue
+                kept.append(m)
+                for t, rows in read.items():
+                    tables.setdefault(t, []).append(rows)
+                files_before += len(m["files"])
+            if not kept:
+                continue
+            group = kept
+            d = self.part_dir(run_id, label)
+            self.fs.makedirs(d, exist_ok=True)
+            files = {}
+            for table, parts in sorted(tables.items()):
+                merged = pa.concat_tables(parts, promote_options="permissive")
+                fname = f"{table}.parquet"
+                self._put(f"{d}/{fname}",
+                          lambda f, t=_with_version(merged): pq.write_table(t, f, row_group_size=1 << 20))
+                files[table] = {"file": fname, "rows": merged.num_rows, "bytes": self.fs.size(f"{d}/{fname}")}
+            body = {"format": "gyre-lake", "schema_version": SCHEMA_VERSION, "run_id": run_id, "part": label,
+                    "written_at": datetime.now(timezone.utc).isoformat(), "files": files,
+                    "covers": [m["part"] for m in group]}
+            self._put_json(f"{d}/{MANIFEST}", body)              # the commit
+            self._retire_covered(run_id, label, body)
+            files_after += len(files)
+            made.append({"part": label, "covers": body["covers"], "rows": {t: v["rows"] for t, v in files.items()}})
+        return {"run_id": run_id, "compactions": made, "parts": sum(len(c["covers"]) for c in made),
+                "files_before": files_before,
+                "files_after": files_after}
+
+    def _retire_covered(self, run_id: str, label: str, body: dict[str, Any]) -> int:
+        """After a compaction's commit: its parts keep their manifests (completion markers) without files."""
+        done = 0
+        for p in body.get("covers", []):
+            d = self.part_dir(run_id, p)
+            m = self._read_manifest(f"{d}/{MANIFEST}")
+            if m is None or m.get("compacted_into") == label:
+                continue
+            m["compacted_into"] = label
+            m["compacted_files"], m["files"] = m["files"], {}
+            self._put_json(f"{d}/{MANIFEST}", m)
+            self._remove_strays(d, {MANIFEST}, set(m.get("payloads", [])))   # offloaded prompts stay put
+            done += 1
+        return done
 
 
 def _check_table(name: str, table: pa.Table) -> None:

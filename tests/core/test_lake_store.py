@@ -1,0 +1,288 @@
+"""The lake's storage guarantees, each run on local disk and on a real S3-compatible server on loopback
+(moto's server mode): schema versions, offloaded payloads, quarantine of bad files, crash clean-up,
+compaction, and roots refused before a run.
+
+    .venv/bin/python -m pytest tests/core/test_lake_store.py -q -p no:cacheprovider
+"""
+from __future__ import annotations
+
+import copy
+import io
+import json
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from gyre_core.lake import Lake, run_sql
+from gyre_core.lake.schema import CALLS, EXECUTIONS, SCORES
+from gyre_core.lake.store import MANIFEST, LakeVersionError
+from gyre_core.records import SCHEMA_VERSION
+
+from test_lake import _records, _tables
+
+
+@pytest.fixture(scope="module")
+def s3_server():
+    from moto.server import ThreadedMotoServer
+
+    with pytest.MonkeyPatch.context() as mp:
+        for k, v in {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
+                     "AWS_SESSION_TOKEN": "testing", "AWS_DEFAULT_REGION": "us-east-1"}.items():
+            mp.setenv(k, v)
+        server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+        server.start()
+        host, port = server.get_host_and_port()
+        options = {"anon": False, "client_kwargs": {"endpoint_url": f"http://{host}:{port}"},
+                   "skip_instance_cache": True}
+        import s3fs
+        s3fs.S3FileSystem(**options).mkdir("gyre-store")
+        yield options
+        server.stop()
+
+
+@pytest.fixture(params=["local", "s3"])
+def where(request, tmp_path):
+    """(root, storage_options) of an empty lake: a local directory, or a fresh prefix on the S3 server."""
+    if request.param == "local":
+        return str(tmp_path / "lake"), None
+    options = request.getfixturevalue("s3_server")
+    return f"s3://gyre-store/{request.node.name.replace('[', '-').rstrip(']')}", options
+
+
+def _lake(where, **kw) -> Lake:
+    root, options = where
+    return Lake(root, options, **kw)
+
+
+def _sql(where, query: str) -> str:
+    root, options = where
+    return run_sql(root, query, fmt="csv", storage_options=options)
+
+
+# ---- schema versions ------------------------------------------------------------------------------
+def _as_version_1(table: pa.Table, schema: pa.Schema) -> pa.Table:
+    """A table as Gyre 1 wrote it: without the columns version 2 added, version 1 in its metadata."""
+    keep = [f.name for f in schema if f.name not in ("tool_call_ids", "payload_uri")]
+    return table.select(keep).replace_schema_metadata({b"gyre.schema_version": b"1"})
+
+
+def _write_raw_part(lake: Lake, run: str, part: str, tables: dict[str, pa.Table], version: int) -> None:
+    """A part written file by file, as another version of Gyre would have."""
+    d = lake.part_dir(run, part)
+    lake.fs.makedirs(d, exist_ok=True)
+    files = {}
+    for name, t in tables.items():
+        buf = io.BytesIO()
+        pq.write_table(t, buf)
+        lake.fs.pipe(f"{d}/{name}.parquet", buf.getvalue())
+        files[name] = {"file": f"{name}.parquet", "rows": t.num_rows, "bytes": len(buf.getvalue())}
+    body = {"format": "gyre-lake", "schema_version": version, "run_id": run, "part": part,
+            "written_at": "2026-01-01T00:00:00+00:00", "files": files}
+    lake.fs.pipe(f"{d}/{MANIFEST}", json.dumps(body).encode())
+
+
+def test_version_1_lake_still_reads(where):
+    lake = _lake(where)
+    recs = _records("old")
+    t = _tables(recs)
+    _write_raw_part(lake, "old", "step=3", {"executions": _as_version_1(t["executions"], EXECUTIONS),
+                                             "calls": _as_version_1(t["calls"], CALLS)}, version=1)
+    lake.write_part("new", "step=3", _tables(_records("new")))           # and a version-2 part beside it
+    back = lake.read_records("old")
+    assert back == recs                                   # tool_call_ids read as [] (the records have none)
+    assert _sql(where, "SELECT run_id, count(*) AS n, count(payload_uri) AS offloaded, "
+                       "count(tool_call_ids) AS with_ids FROM calls GROUP BY 1 ORDER BY 1") == \
+        "run_id,n,offloaded,with_ids\nnew,6,0,6\nold,6,0,0\n"
+
+
+def test_newer_version_fails_naming_both(where):
+    lake = _lake(where)
+    t = _tables(_records())
+    _write_raw_part(lake, "future", "step=3", t, version=SCHEMA_VERSION + 1)
+    msg = f"written with lake schema version {SCHEMA_VERSION + 1}; this Gyre reads versions 1..{SCHEMA_VERSION}"
+    with pytest.raises(LakeVersionError, match=msg):
+        lake.read("executions", "future")
+    with pytest.raises(LakeVersionError, match="upgrade Gyre"):
+        lake.manifests()
+
+
+def test_tool_call_ids_round_trip(where):
+    recs = _records()
+    recs[0].calls[1].tool_call_ids = ["e1/1", "e1/1b"]
+    lake = _lake(where)
+    lake.write_part("run1", "step=3", _tables(recs))
+    assert lake.read_records("run1") == recs
+    assert _sql(where, "SELECT call_index, len(tool_call_ids) AS n FROM calls WHERE execution_id = 'e1' "
+                       "ORDER BY 1") == "call_index,n\n0,0\n1,2\n2,0\n3,0\n4,0\n"
+
+
+# ---- payloads too large to inline -----------------------------------------------------------------
+def test_large_prompts_are_offloaded_and_round_trip(where):
+    lake = _lake(where, payload_bytes=12)                 # more than 3 new prompt ids goes out
+    recs = _records()
+    twin = copy.deepcopy(recs[0])                         # same prompts: one object serves both
+    twin.execution_id = "e1-twin"
+    for c in twin.calls:
+        c.execution_id = "e1-twin"
+    recs.append(twin)
+    lake.write_part("run1", "step=3", _tables(recs))
+    m = lake.manifest("run1", "step=3")
+    # e1: call 2 (4 new ids) is offloaded; call 0 (3 ids) and the rest stay inline; e1-twin shares it.
+    assert len(m["payloads"]) == 1 and m["payloads"][0].startswith("payloads/")
+    assert lake.fs.exists(f"{lake.part_dir('run1', 'step=3')}/{m['payloads'][0]}")
+    assert lake.read_records("run1") == recs
+    rows = _sql(where, "SELECT execution_id, call_index, len(new_prompt_ids) AS n, payload_uri FROM calls "
+                       "WHERE payload_uri IS NOT NULL ORDER BY 1, 2").splitlines()
+    uri = f"runs/run1/step=3/{m['payloads'][0]}"
+    assert rows == ["execution_id,call_index,n,payload_uri", f"e1,2,0,{uri}", f"e1-twin,2,0,{uri}"]
+    # a retry of the same part keeps exactly the objects its new manifest lists
+    lake.write_part("run1", "step=3", _tables(recs[1:2]))
+    assert lake.manifest("run1", "step=3").get("payloads") is None
+    assert not lake.fs.exists(f"{lake.part_dir('run1', 'step=3')}/payloads")
+
+
+# ---- bad files are quarantined, the rest still answers ----------------------------------------------
+def test_truncated_file_is_quarantined(where, capfd):
+    lake = _lake(where)
+    lake.write_part("run1", "step=3", _tables(_records()))
+    lake.write_part("run1", "step=4", _tables(_records(step=4)))
+    bad = f"{lake.part_dir('run1', 'step=3')}/calls.parquet"
+    data = lake.fs.cat_file(bad)
+    lake.fs.pipe(bad, data[: len(data) // 2])             # a writer cut off mid-file
+    assert _sql(where, "SELECT step, count(*) AS n FROM calls GROUP BY 1 ORDER BY 1") == "step,n\n4,6\n"
+    err = capfd.readouterr().err
+    assert "runs/run1/step=3/calls.parquet" in err and "truncated" in err and "_quarantine" in err
+    m = lake.manifest("run1", "step=3")
+    q = m["quarantined"]["calls"]
+    assert "calls" not in m["files"] and "executions" in m["files"] and "truncated" in q["reason"]
+    moved = f"{lake.path}/{q['moved_to']}"
+    assert lake.fs.cat_file(moved) == data[: len(data) // 2]          # nothing is lost
+    assert json.loads(lake.fs.cat_file(moved + ".reason.json"))["source"] == "runs/run1/step=3/calls.parquet"
+    assert lake.read("executions").num_rows == 6 and lake.read("calls").num_rows == 6
+
+
+def test_corrupt_and_mismatched_files_are_named(where, capfd):
+    lake = _lake(where)
+    lake.write_part("run1", "step=3", _tables(_records()))
+    lake.write_part("run1", "step=4", _tables(_records(step=4)))
+    lake.write_part("run1", "score=3", {"scores": SCORES.empty_table()})
+    # step=4's executions file is replaced by garbage of the same length; score=3's by a file whose
+    # `reward` column is a string
+    d4 = lake.part_dir("run1", "step=4")
+    size = lake.fs.size(f"{d4}/executions.parquet")
+    lake.fs.pipe(f"{d4}/executions.parquet", b"x" * size)
+    wrong = pa.table({f.name: pa.array([], type=pa.string() if f.name == "reward" else f.type) for f in SCORES})
+    _write_raw_part(lake, "run1", "score=3", {"scores": wrong}, version=SCHEMA_VERSION)
+    found = lake.check()
+    assert sorted((q["part"], q["table"]) for q in found) == [("score=3", "scores"), ("step=4", "executions")]
+    reasons = {q["table"]: q["reason"] for q in found}
+    assert "not a readable Parquet file" in reasons["executions"]
+    assert reasons["scores"] == "schema mismatch: column 'reward' should be double, is string"
+    err = capfd.readouterr().err
+    assert "runs/run1/step=4/executions.parquet" in err and "runs/run1/score=3/scores.parquet" in err
+    assert _sql(where, "SELECT step, count(*) AS n FROM executions GROUP BY 1") == "step,n\n3,3\n"
+    assert lake.check() == []                              # nothing more to find
+
+
+# ---- what a crashed writer leaves behind ------------------------------------------------------------
+def test_cleanup_removes_leftovers_only(where):
+    lake = _lake(where)
+    recs = _records()
+    lake.write_part("run1", "step=3", _tables(recs))
+    lake.write_part("run2", "step=0", _tables(_records("run2", 0)))
+    d3, d4 = lake.part_dir("run1", "step=3"), lake.part_dir("run1", "step=4")
+    lake.fs.pipe(f"{d3}/calls.parquet.tmp-123", b"half")   # a temp file of a dead writer
+    lake.fs.makedirs(d4, exist_ok=True)
+    lake.fs.pipe(f"{d4}/executions.parquet", b"never committed")
+    assert lake.cleanup("run1") == {"uncommitted_parts": 1, "stray_files": 1, "compactions_finished": 0}
+    assert not lake.fs.exists(d4) and not lake.fs.exists(f"{d3}/calls.parquet.tmp-123")
+    assert lake.read_records("run1") == recs and lake.read("executions", "run2").num_rows == 3
+    assert lake.cleanup("run1") == {"uncommitted_parts": 0, "stray_files": 0, "compactions_finished": 0}
+
+
+# ---- compaction ---------------------------------------------------------------------------------------
+QUERIES = [
+    "SELECT step, execution_id, reward, n_calls FROM executions ORDER BY ALL",
+    "SELECT step, execution_id, call_index, new_prompt_ids, completion_ids, logprobs, versions, payload_uri "
+    "FROM calls ORDER BY ALL",
+    "SELECT step, count(*) AS n, sum(logprob) AS lp FROM tokens GROUP BY 1 ORDER BY 1",
+    "SELECT step, execution_id, advantage FROM scores ORDER BY ALL",
+]
+
+
+def _rl_run(lake: Lake, run: str, steps: int) -> None:
+    for s in range(steps):
+        recs = _records(run, s)
+        lake.write_part(run, f"step={s}", _tables(recs))
+        scores = pa.Table.from_pydict({
+            "run_id": [run] * 3, "step": [s] * 3, "execution_id": ["e1", "e2", "e3"],
+            "task_id": ["task-a", "task-a", "task-b"], "reward": [1.0, 0.25, 0.0],
+            "advantage": [0.375, -0.375, None], "excluded": [False, False, True], "reason": ["", "", "failed"],
+            "multiplicity": [1, 1, 1], "kept_as": ["e1", "e2", "e3"]}, schema=SCORES)
+        lake.write_part(run, f"score={s}", {"scores": scores})
+    lake.write_part(run, "eval-before", _tables(_records(run, -2)))
+
+
+def test_compaction_keeps_query_results(where):
+    lake = _lake(where, payload_bytes=12)
+    _rl_run(lake, "run1", 4)
+    _rl_run(lake, "run2", 2)
+    before = [_sql(where, q) for q in QUERIES]
+    per_part = {p: lake.read_records("run1", p) for p in ("step=0", "step=2", "step=3")}
+    report = lake.compact("run1")
+    # steps 0..2 merged (step 3 is the run's newest, maybe in flight; eval-before is not a step)
+    (c,) = report["compactions"]
+    assert sorted(c["covers"]) == sorted(f"{k}={s}" for k in ("step", "score") for s in range(3))
+    assert c["rows"] == {"executions": 9, "calls": 18, "scores": 9}
+    # 3 × (executions, calls) + 3 × scores -> 3 (offloaded prompts stay where their URIs point)
+    assert report["files_before"] == 9 and report["files_after"] == 3
+    assert [_sql(where, q) for q in QUERIES] == before
+    assert {p: lake.read_records("run1", p) for p in per_part} == per_part
+    assert lake.read("scores", "run1", "score=1").column("step").to_pylist() == [1, 1, 1]
+    assert lake.committed("run1", "step=1") and lake.manifest("run1", "step=1")["files"] == {}
+    d1 = lake.part_dir("run1", "step=1")
+    assert sorted(lake.fs.ls(d1, detail=False)) == [f"{d1}/{MANIFEST}", f"{d1}/payloads"]
+    with pytest.raises(ValueError, match="compacted into"):
+        lake.write_part("run1", "step=1", _tables(_records("run1", 1)))
+    assert lake.compact("run1")["compactions"] == []       # nothing new to merge
+    more = lake.compact("run1", include_latest=True)        # the run is over: its last step too
+    assert more["parts"] == 2 and [_sql(where, q) for q in QUERIES] == before
+
+
+def test_interrupted_compaction_never_shows_rows_twice(where):
+    lake = _lake(where)
+    _rl_run(lake, "run1", 3)
+    before = [_sql(where, q) for q in QUERIES]
+    real = Lake._retire_covered
+    Lake._retire_covered = lambda self, *a: 0              # die right after the compaction's commit
+    try:
+        lake.compact("run1")
+    finally:
+        Lake._retire_covered = real
+    assert lake.manifest("run1", "step=0")["files"]        # the old files are still listed ...
+    assert [_sql(where, q) for q in QUERIES] == before       # ... yet no row is read twice
+    assert lake.read_records("run1", "step=1") == _records("run1", 1)
+    assert lake.cleanup("run1")["compactions_finished"] == 4
+    assert lake.manifest("run1", "step=0")["files"] == {} and [_sql(where, q) for q in QUERIES] == before
+
+
+def test_parts_whose_rows_carry_another_step_are_left_alone(tmp_path):
+    lake = Lake(str(tmp_path / "lake"))
+    lake.write_part("run1", "step=0", _tables(_records(step=7)))    # rows not of step 0
+    lake.write_part("run1", "step=1", _tables(_records(step=1)))
+    lake.write_part("run1", "step=2", _tables(_records(step=2)))
+    report = lake.compact("run1")
+    assert report["compactions"][0]["covers"] == ["step=1"]
+    assert sorted(set(lake.read("executions").column("step").to_pylist())) == [1, 2, 7]
+
+
+# ---- roots refused before a run starts ----------------------------------------------------------------
+def test_missing_roots_are_refused(tmp_path, s3_server):
+    with pytest.raises(ValueError, match="neither it nor its parent directory"):
+        Lake(str(tmp_path / "no" / "such" / "lake")).check_writable()
+    Lake(str(tmp_path / "fresh")).check_writable()          # a new directory in an existing one is fine
+    with pytest.raises(ValueError, match="bucket 'no-such-bucket' does not exist"):
+        Lake("s3://no-such-bucket/lake", s3_server).check_writable()
+    import s3fs
+    assert not s3fs.S3FileSystem(**s3_server).exists("no-such-bucket")   # and it was not created
