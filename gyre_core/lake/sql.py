@@ -4,9 +4,12 @@
     print(run_sql("data/lake", "SELECT execution_id, tokens_generated FROM executions"))
     con = connect("s3://bucket/lake", run_id="run1", storage_options={...})
 
-Views: `executions`, `calls`, `train_tokens` over exactly the files that manifests list (an uncommitted
-part is invisible), and `tokens` (calls unnested: one row per completion token with its log-prob and
-policy version). Read-only is enforced by DuckDB itself, never by filtering SQL text:
+Views: one per lake table (`executions`, `calls`, `scores`, `train_tokens` and the processor's tables) over
+exactly the files that manifests list (an uncommitted part is invisible), `tokens` (calls unnested: one row
+per completion token with its log-prob and policy version), `execution_content` (a content hash per
+execution, `gyre_core.lake.dedup`) and `steps` (one row per committed part, from the manifests alone).
+Named queries live in `data/sql/NAME.sql` (`named_query`, `named_queries`; `gyre sql --query NAME`).
+Read-only is enforced by DuckDB itself, never by filtering SQL text:
   * the views live in a throwaway database file opened with `read_only=True` (CREATE/INSERT/ATTACH fail);
   * DuckDB sees the lake only through `gyrelake://`, a registered fsspec filesystem that serves the
     manifest-listed files for reading and refuses every write (a DuckDB allow-list alone is not enough:
@@ -25,12 +28,15 @@ import io
 import json
 import math
 import os
+import re
 import shutil
 import tempfile
-from datetime import datetime
+from datetime import datetime, timezone
+from pathlib import Path
 from typing import Any
 
 import duckdb
+import pyarrow as pa
 from fsspec import AbstractFileSystem
 
 from gyre_core.lake.dedup import EXECUTION_CONTENT_VIEW
@@ -60,8 +66,27 @@ FROM calls
 """
 
 
+# `steps`: one row per committed part of a run, from its manifest (no Parquet read). A table, made before
+# the views database is reopened read-only, so it cannot be changed afterwards; typed when empty too.
+_STEPS_ARROW = pa.schema([
+    ("run_id", pa.string()), ("part", pa.string()), ("kind", pa.string()), ("step", pa.int64()),
+    ("tables", pa.list_(pa.string())), ("rows", pa.int64()), ("bytes", pa.int64()),
+    ("written_at", pa.timestamp("us")), ("schema_version", pa.int32()),
+])
+_KIND_STEP = re.compile(r"^([^=]+)=(-?\d+)$")
+
+SQL_DIR_ENV = "GYRE_SQL_DIR"
+_QUERY_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_-]*$")
+
+
 class SqlError(RuntimeError):
     """A query failed (its message is DuckDB's)."""
+
+    def one_line(self) -> str:
+        """The message on one line: DuckDB's hints kept, its echo of the query and the caret dropped."""
+        lines = [line.strip() for line in str(self).splitlines()]
+        kept = [line for line in lines if line and not line.startswith("LINE ") and set(line) != {"^"}]
+        return " ".join(kept)
 
 
 class SqlRefused(SqlError):
@@ -138,6 +163,35 @@ def _view_sql(table: str, urls: list[str]) -> str:
             f"read_parquet([{quoted}], union_by_name = true, hive_partitioning = false)")
 
 
+def steps_table(manifests: list[dict[str, Any]]) -> pa.Table:
+    """The `steps` rows of these manifests: kind and step from the part label (`step=3` -> step, 3;
+    `eval=before` -> eval, NULL; `demos` -> demos, NULL), table names, total rows and bytes."""
+    rows = []
+    for m in manifests:
+        part = m["part"]
+        hit = _KIND_STEP.match(part)
+        kind, step = (hit.group(1), int(hit.group(2))) if hit else (part.split("=", 1)[0], None)
+        files = m.get("files") or {}
+        written = m.get("written_at")
+        if written:
+            t = datetime.fromisoformat(written)
+            written = (t.astimezone(timezone.utc) if t.tzinfo else t).replace(tzinfo=None)
+        version = m.get("schema_version")
+        rows.append({
+            "run_id": m["run_id"], "part": part, "kind": kind, "step": step, "tables": sorted(files),
+            "rows": sum(int(f.get("rows", 0)) for f in files.values()),
+            "bytes": sum(int(f.get("bytes", 0)) for f in files.values()),
+            "written_at": written or None, "schema_version": None if version is None else int(version),
+        })
+    return pa.Table.from_pylist(rows, schema=_STEPS_ARROW)
+
+
+def _create_steps(con: duckdb.DuckDBPyConnection, manifests: list[dict[str, Any]]) -> None:
+    con.register("_gyre_steps_rows", steps_table(manifests))   # in the lake's order: runs, then parts
+    con.execute("CREATE TABLE steps AS SELECT * FROM _gyre_steps_rows")
+    con.unregister("_gyre_steps_rows")
+
+
 def connect(root: str, run_id: str | None = None,
             storage_options: dict[str, Any] | None = None) -> duckdb.DuckDBPyConnection:
     """A read-only DuckDB connection with the lake's views (all runs, or one run)."""
@@ -162,6 +216,7 @@ def connect(root: str, run_id: str | None = None,
                 build.execute(_view_sql(table, urls))
             build.execute(TOKENS_VIEW)
             build.execute(EXECUTION_CONTENT_VIEW)
+            _create_steps(build, manifests)
         finally:
             build.close()
         con = duckdb.connect(db, read_only=True, config=_START_CONFIG)
@@ -186,6 +241,51 @@ def _wrap(e: duckdb.Error) -> SqlError:
     return SqlRefused(msg.splitlines()[0].strip()) if refused else SqlError(msg)
 
 
+def sql_dir() -> Path:
+    """Where named queries live: $GYRE_SQL_DIR, else `data/sql/` of the repository holding `gyre_core/`."""
+    env = os.environ.get(SQL_DIR_ENV)
+    return Path(env) if env else Path(__file__).resolve().parents[2] / "data" / "sql"
+
+
+def _description(text: str) -> str:
+    for line in text.splitlines():
+        line = line.strip()
+        if line:
+            return line[2:].strip() if line.startswith("--") else ""
+    return ""
+
+
+def named_queries() -> dict[str, str]:
+    """Named queries by name, each with the first line of its comment header."""
+    d = sql_dir()
+    files = sorted(d.glob("*.sql")) if d.is_dir() else []
+    return {f.stem: _description(f.read_text()) for f in files if _QUERY_NAME.match(f.stem)}
+
+
+def named_query(name: str) -> str:
+    """The SQL text of `data/sql/<name>.sql`; SqlError (naming the known ones) when there is none."""
+    path = sql_dir() / f"{name}.sql"
+    if not _QUERY_NAME.match(name) or not path.is_file():
+        known = ", ".join(named_queries()) or f"none in {sql_dir()}"
+        raise SqlError(f"no named query {name!r}; known: {known}")
+    return path.read_text()
+
+
+def _refuse_write(con: duckdb.DuckDBPyConnection, query: str, e: duckdb.Error) -> SqlError:
+    # INSERT/UPDATE/DELETE on a view fail in DuckDB's binder with a message about base tables; say why.
+    wrapped = _wrap(e)
+    try:
+        kind = con.extract_statements(query)[0].type
+    except duckdb.Error:
+        return wrapped
+    writes = {getattr(duckdb.StatementType, k, None) for k in ("INSERT", "UPDATE", "DELETE", "MERGE_INTO")}
+    on_view = any(s in str(wrapped) for s in ("base table", "not an table", "is not a table"))
+    if kind in writes and on_view and not isinstance(wrapped, SqlRefused):
+        what = kind.name.replace("_", " ")
+        return SqlRefused(f"{_REFUSED_MARK}: {what} refused ({str(wrapped).splitlines()[0].strip()})")
+    return wrapped
+
+
 def run_sql(root: str, query: str, run_id: str | None = None, fmt: str = "table",
             storage_options: dict[str, Any] | None = None) -> str:
     """Run one SQL statement on the lake and render its result as "table", "csv" or "json"."""
@@ -195,6 +295,8 @@ def run_sql(root: str, query: str, run_id: str | None = None, fmt: str = "table"
         con = connect(root, run_id, storage_options)
     except duckdb.Error as e:       # e.g. a listed file that is not Parquet
         raise _wrap(e) from None
+    except ValueError as e:         # e.g. a run id that cannot name a run
+        raise SqlError(str(e)) from None
     try:
         try:
             n = len(con.extract_statements(query))
@@ -206,7 +308,7 @@ def run_sql(root: str, query: str, run_id: str | None = None, fmt: str = "table"
             columns = [d[0] for d in cur.description]
             rows = cur.fetchall()
         except duckdb.Error as e:
-            raise _wrap(e) from None
+            raise _refuse_write(con, query, e) from None
     finally:
         con.close()
     return {"table": _render_table, "csv": _render_csv, "json": _render_json}[fmt](columns, rows)

@@ -362,11 +362,12 @@ class Lake:
         return read_executions(self.read("executions", run_id, part), self.read("calls", run_id, part))
 
     # ---- bad files: checked once, quarantined ------------------------------------------------
-    def _verify(self, entry: dict[str, Any]) -> bool:
-        """True when the listed file is what its manifest says; otherwise quarantine it and say so."""
+    def _verify(self, entry: dict[str, Any], fresh: bool = False) -> bool:
+        """True when the listed file is what its manifest says; otherwise quarantine it and say so.
+        A file is checked once per process unless `fresh`."""
         key = (self._protocol(), entry["path"], entry["bytes"], entry["written_at"])
         with _verified_lock:
-            if key in _verified:
+            if key in _verified and not fresh:
                 return True
         problem = self._file_problem(entry)
         if problem is None:
@@ -435,7 +436,8 @@ class Lake:
         """Check every listed file now (quarantining bad ones); returns what was quarantined."""
         before = {(m["run_id"], m["part"]): set(m.get("quarantined", {})) for m in self.manifests(run_id)}
         for table in SCHEMAS:
-            self.entries(table, run_id)
+            for e in self.entries(table, run_id, verify=False):
+                self._verify(e, fresh=True)
         out = []
         for m in self.manifests(run_id):
             for table, q in m.get("quarantined", {}).items():

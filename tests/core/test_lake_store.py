@@ -286,3 +286,22 @@ def test_missing_roots_are_refused(tmp_path, s3_server):
         Lake("s3://no-such-bucket/lake", s3_server).check_writable()
     import s3fs
     assert not s3fs.S3FileSystem(**s3_server).exists("no-such-bucket")   # and it was not created
+
+
+def test_lake_command(tmp_path, capsys):
+    from gyre_core.cli import main
+
+    root = str(tmp_path / "lake")
+    lake = Lake(root)
+    _rl_run(lake, "run1", 3)
+    before = [run_sql(root, q, fmt="csv") for q in QUERIES]
+    assert main(["lake", "compact", "--lake", root, "--json"]) == 0
+    (report,) = json.loads(capsys.readouterr().out)
+    assert report["run_id"] == "run1" and report["parts"] == 4 and report["files_after"] == 3
+    assert [run_sql(root, q, fmt="csv") for q in QUERIES] == before
+    lake.fs.pipe(f"{lake.part_dir('run1', 'step=2')}/calls.parquet", b"junk")
+    assert main(["lake", "check", "--lake", root, "--json"]) == 0
+    (q,) = json.loads(capsys.readouterr().out)
+    assert (q["part"], q["table"]) == ("step=2", "calls") and "bytes, its manifest says" in q["reason"]
+    assert main(["lake", "cleanup", "--lake", root]) == 2
+    assert "cleanup needs --run" in capsys.readouterr().err
