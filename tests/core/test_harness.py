@@ -87,6 +87,8 @@ def test_invalid_actions_are_answered_and_counted(tok):
 
     r = _run(tok, HarnessConfig(max_turns=20, context_tokens=4096), policy=Babbler(tok, stop), n=1)[0]
     assert r.invalid_actions == 1 and r.success and r.turns == 7
+    # each action the environment ran is one tool invocation, named after its call; the babble is none
+    assert [c.tool_call_ids for c in r.calls] == [[]] + [[f"e0/{i}"] for i in range(1, 7)]
 
 
 def test_env_exception_fails_one_execution_and_the_rest_go_on(tok):
