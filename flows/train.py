@@ -1,5 +1,6 @@
 """The RL loop, one screen: warm start → N × (rollout → score → process → train → publish) → evaluate,
 then the supervised-only control (the RL phase's wall time spent on more behaviour cloning) on the same seeds.
+With `run.replay` (`gyre train --replay RUN`) the rollouts are a stored run's and nothing is evaluated.
 
 Run it with `gyre train --preset quick` (which calls this flow), or from a Prefect deployment.
 Rerunning with the same parameters resumes: finished steps return from their completion markers.
@@ -20,8 +21,10 @@ def train(preset: str = "default", overrides: list[str] | None = None, steps: in
     started_at = time.time()
     cfg = load_config(preset, overrides)          # a bad parameter fails here, before any work
     run_dir = rl.prepare(preset, overrides)
+    evaluate = not cfg.run.replay                  # a replay trains on a stored run's trajectories only
     rl.warm_start(run_dir)
-    rl.evaluate(run_dir, "before")
+    if evaluate:
+        rl.evaluate(run_dir, "before")
     if cfg.elastic.enabled:                        # the same steps, streamed across K cell agents
         rl.elastic(run_dir)
     for step in range(0 if cfg.elastic.enabled else cfg.rl.steps):
@@ -30,8 +33,9 @@ def train(preset: str = "default", overrides: list[str] | None = None, steps: in
         rl.process(run_dir, step)
         rl.train(run_dir, step)
         rl.publish(run_dir, step)
-    rl.evaluate(run_dir, "after")
-    if cfg.eval.control:
+    if evaluate:
+        rl.evaluate(run_dir, "after")
+    if evaluate and cfg.eval.control:
         rl.control(run_dir)
         rl.evaluate(run_dir, "control")
     return rl.summarize(run_dir, started_at)

@@ -1,10 +1,13 @@
 """The `gyre` command.
 
-    gyre train [--preset quick] [--set rl.lr=1e-4 ...] [--steps N] [--summary-json out.json]
+    gyre train [--preset quick] [--set rl.lr=1e-4 ...] [--steps N] [--summary-json out.json] [--replay RUN]
     gyre sql "SELECT status, count(*) FROM executions GROUP BY 1" [--run RUN] [--format table|csv|json]
+    gyre sql --query step_summary [--run RUN] [--format ...]      (gyre sql --list-queries: the named queries)
+    gyre lake compact|check|cleanup [--run RUN] [--lake ROOT] [--include-latest]
     gyre bench engine [--json]
     gyre bench processor [--json] [--quick]
     gyre bench elastic [--json] [--quick]
+    gyre bench lake [--json] [--quick]
     gyre sim [--profile laptop|paper-122b|paper-2.4t] [--set k=8 ...] [--policy all] [--async-split best] [--json]
     gyre presets
 
@@ -28,12 +31,14 @@ def _env_defaults() -> None:
 def cmd_train(args) -> int:
     from .config import ConfigError, load_config
 
+    if args.replay:
+        args.set = list(args.set or []) + [f"run.replay={args.replay}"]
     overrides = list(args.set or []) + ([f"rl.steps={args.steps}"] if args.steps is not None else [])
     try:
         cfg = load_config(args.preset, overrides)
         from .lake import Lake
 
-        Lake(cfg.lake.root).check_writable()
+        Lake.from_config(cfg.lake).check_writable()
     except (ConfigError, ValueError) as exc:
         print(f"gyre: config error: {exc}", file=sys.stderr)
         return 2
@@ -67,15 +72,61 @@ def cmd_train(args) -> int:
 
 
 def cmd_sql(args) -> int:
-    from .config import load_config
-    from .lake.sql import SqlRefused, run_sql
+    from .lake.sql import SqlError, named_queries, named_query, run_sql
 
-    root = args.lake or load_config(args.preset).lake.root
-    try:
-        print(run_sql(root, args.query, run_id=args.run, fmt=args.format))
-    except SqlRefused as exc:
-        print(f"gyre sql: {exc}", file=sys.stderr)
+    if args.list_queries:
+        queries = named_queries()
+        width = max(map(len, queries), default=0)
+        for name, about in queries.items():
+            print(f"{name:<{width}}  {about}".rstrip())
+        return 0
+    if (args.query is None) == (args.named is None):
+        print("gyre sql: give exactly one of a query text or --query NAME (see --list-queries)", file=sys.stderr)
         return 2
+    from .config import ConfigError, load_config
+
+    try:
+        query = args.query if args.named is None else named_query(args.named)
+        root, options = args.lake, None
+        if root is None:
+            lake_cfg = load_config(args.preset).lake
+            root, options = lake_cfg.root, dict(lake_cfg.storage_options or {})
+        out = run_sql(root, query, run_id=args.run, fmt=args.format, storage_options=options)
+    except SqlError as exc:
+        print(f"gyre sql: {exc.one_line()}", file=sys.stderr)
+        return 2
+    except ConfigError as exc:
+        print(f"gyre sql: config error: {exc}", file=sys.stderr)
+        return 2
+    print(out, end="" if out.endswith("\n") else "\n")
+    return 0
+
+
+def cmd_lake(args) -> int:
+    """Maintenance of the lake: compact finished steps, check files (quarantining bad ones), clean up."""
+    from .config import ConfigError, load_config
+    from .lake import Lake
+
+    try:
+        lake_cfg = load_config(args.preset).lake
+        lake = Lake(args.lake, dict(lake_cfg.storage_options or {})) if args.lake else Lake.from_config(lake_cfg)
+        runs = [args.run] if args.run else lake.runs()
+        if args.action == "compact":
+            out = [lake.compact(r, target_mb=args.target_mb, include_latest=args.include_latest) for r in runs]
+            for r in out:
+                print(f"{r['run_id']}: {r['parts']} parts, {r['files_before']} files -> {r['files_after']}",
+                      file=sys.stderr)
+        elif args.action == "check":
+            out = [q for r in runs for q in lake.check(r)]
+            print(f"{len(out)} file(s) quarantined" if out else "every listed file is readable", file=sys.stderr)
+        else:
+            if not args.run:
+                raise ValueError("cleanup needs --run RUN (it must not race a run that is writing)")
+            out = lake.cleanup(args.run)
+    except (ConfigError, ValueError) as exc:
+        print(f"gyre lake: {exc}", file=sys.stderr)
+        return 2
+    print(json.dumps(out, indent=None if args.json else 1))
     return 0
 
 
@@ -104,6 +155,10 @@ def _run_bench(args):
         from bench.elastic import bench_elastic
 
         result = bench_elastic(quick=args.quick)
+    elif args.what == "lake":
+        from bench.lake import bench_lake
+
+        result = bench_lake(quick=args.quick)
     else:
         result = None
     return result
@@ -157,16 +212,30 @@ def main(argv: list[str] | None = None) -> int:
     t.add_argument("--set", action="append", metavar="KEY=VALUE", help="dotted override, e.g. rl.lr=1e-4")
     t.add_argument("--steps", type=int, default=None, help="number of RL steps (rl.steps)")
     t.add_argument("--summary-json", default=None, help="also write the final summary here")
+    t.add_argument("--replay", default=None, metavar="RUN",
+                   help="train on a stored run's trajectories from the lake: no rollouts, no evaluation")
     t.set_defaults(fn=cmd_train)
     q = sub.add_parser("sql", help="read-only SQL over the trajectory lake")
-    q.add_argument("query")
+    q.add_argument("query", nargs="?", default=None, help="one SQL statement (or use --query NAME)")
+    q.add_argument("--query", dest="named", default=None, metavar="NAME", help="run data/sql/NAME.sql")
+    q.add_argument("--list-queries", action="store_true", help="list the named queries and what they answer")
     q.add_argument("--run", default=None, help="restrict the views to one run id")
     q.add_argument("--format", default="table", choices=("table", "csv", "json"))
     q.add_argument("--lake", default=None, help="lake root (default: the preset's lake.root)")
     q.add_argument("--preset", default="default")
     q.set_defaults(fn=cmd_sql)
+    lk = sub.add_parser("lake", help="lake maintenance: compact, check, cleanup")
+    lk.add_argument("action", choices=("compact", "check", "cleanup"))
+    lk.add_argument("--run", default=None, help="one run id (default: every run; cleanup needs one)")
+    lk.add_argument("--lake", default=None, help="lake root (default: the preset's lake.root)")
+    lk.add_argument("--preset", default="default")
+    lk.add_argument("--target-mb", type=float, default=256.0, help="compact: largest merged file")
+    lk.add_argument("--include-latest", action="store_true",
+                    help="compact: also the newest step of each run (only when the run is over)")
+    lk.add_argument("--json", action="store_true", help="one line of JSON")
+    lk.set_defaults(fn=cmd_lake)
     b = sub.add_parser("bench", help="benchmarks that print figures")
-    b.add_argument("what", choices=("engine", "processor", "elastic"))
+    b.add_argument("what", choices=("engine", "processor", "elastic", "lake"))
     b.add_argument("--json", action="store_true", help="one line of JSON")
     b.add_argument("--quick", action="store_true", help="fewer repetitions and a smaller workload")
     b.set_defaults(fn=cmd_bench)

@@ -35,6 +35,9 @@ class RunConfig(_Section):
     """Where run directories (checkpoints, markers, resolved config, plots) are written."""
     threads: int = 0
     """torch intra-op threads; 0 uses torch's default."""
+    replay: str | None = None
+    """Train on this stored run's trajectories (its `demos` and `step=N` parts in the lake) instead of
+    rolling out: no rollouts and no evaluations, to debug training alone. Run id: `<replay>-replay`."""
 
 
 class ModelConfig(_Section):
@@ -178,6 +181,9 @@ class ProcessorConfig(_Section):
     """Loop pruning: truncate a path after this many repeats of an (action, observation) cycle (None: off)."""
     prune_period: int = Field(8, gt=0)
     """Loop pruning: longest cycle, in steps, looked for."""
+    dedup: bool = True
+    """Collapse identical executions of a task (same tokens, log-probs, reward) into one trained with a
+    multiplicity: advantages and the loss still count every execution (`gyre_core.lake.dedup`)."""
 
 
 class EvalConfig(_Section):
@@ -196,6 +202,11 @@ class EvalConfig(_Section):
 class LakeConfig(_Section):
     root: str = "data/lake"
     """Trajectory lake root: a local path or an fsspec URL such as s3://bucket/prefix."""
+    storage_options: dict[str, Any] = Field(default_factory=dict)
+    """fsspec options for an object-store root, e.g. {client_kwargs: {endpoint_url: http://127.0.0.1:9000}}
+    (credentials come from the usual AWS_* environment variables)."""
+    payload_mb: float = Field(4.0, gt=0)
+    """A call's new prompt ids larger than this are stored as an object beside the part; the row keeps its URI."""
 
 
 class TrackingConfig(_Section):
@@ -284,8 +295,16 @@ class GyreConfig(_Section):
                              f"{ranges}; move env.eval_seed_start")
         return self
 
+    @model_validator(mode="after")
+    def _replay_is_synchronous(self):
+        if self.run.replay and self.elastic.enabled:
+            raise ValueError("run.replay: replays the synchronous loop; set elastic.enabled=false")
+        return self
+
     def run_id(self) -> str:
-        return self.run.name or f"{self.preset}-s{self.run.seed}"
+        if self.run.name:
+            return self.run.name
+        return f"{self.run.replay}-replay" if self.run.replay else f"{self.preset}-s{self.run.seed}"
 
 
 def presets() -> list[str]:

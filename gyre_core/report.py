@@ -63,6 +63,7 @@ def summarize(run_dir: str, started_at: float | None = None) -> dict:
                           for m in ("sampled", "greedy", "random"))
     summary["tokens_generated"] = int(sum(r.get("tokens_generated", 0) for r in rollouts))
     summary["tokens_trained"] = int(sum(m.get("tokens/trained", 0) for m in per_step))
+    summary["executions_collapsed"] = int(sum(m.get("dedup/collapsed", 0) for m in per_step))   # dedup
     phases = {
         "warm_start": ws.get("wall_s", 0.0),
         "eval": before.get("wall_s", 0.0) + after.get("wall_s", 0.0) + ctrl_eval.get("wall_s", 0.0),

@@ -78,7 +78,7 @@ def _engine_at(run: RunDir, version: int):
 def _lake(run: RunDir):
     from .lake import Lake
 
-    return run.cached("lake", lambda: Lake(run.cfg.lake.root))
+    return run.cached("lake", lambda: Lake.from_config(run.cfg.lake))
 
 
 def _run_policy(run: RunDir, specs, policy, on_finish=None, rollout: bool = False):
@@ -96,11 +96,19 @@ def _write_records(run: RunDir, part: str, records) -> None:
                                              "calls": calls_table(records)})
 
 
-def _read_records(run: RunDir, part: str):
+def _read_records(run: RunDir, part: str, skip: set[str] | frozenset[str] = frozenset()):
+    """The part's execution records, less those in `skip` (whose calls are then never rebuilt)."""
     from .lake.schema import read_executions
 
     lake = _lake(run)
-    return read_executions(lake.read("executions", run.run_id, part), lake.read("calls", run.run_id, part))
+    ex, calls = lake.read("executions", run.run_id, part), lake.read("calls", run.run_id, part)
+    if skip:
+        import pyarrow.compute as pc
+
+        drop = pa.array(sorted(skip), pa.string())
+        ex = ex.filter(pc.invert(pc.is_in(ex["execution_id"], value_set=drop)))
+        calls = calls.filter(pc.invert(pc.is_in(calls["execution_id"], value_set=drop)))
+    return read_executions(ex, calls)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -127,8 +135,16 @@ def prepare(cfg: GyreConfig) -> str:
             model, tok = load_policy(cfg.model.path)
         except PolicyLoadError as exc:
             raise ConfigError(f"model.path: {exc}") from None
-    Lake(cfg.lake.root).check_writable()
+    lake = Lake.from_config(cfg.lake)
+    lake.check_writable()
     run = RunDir.create(cfg)
+    if cfg.run.replay:
+        check_replayable(lake, cfg)
+    left = lake.cleanup(run.run_id)            # what a crashed attempt of this run left in the lake
+    if any(left.values()):
+        import sys
+
+        print(f"gyre lake: cleaned up after an earlier attempt of run {run.run_id}: {left}", file=sys.stderr)
     if run.done("prepare"):
         check_resumable(run)
         return str(run.path)
@@ -143,6 +159,21 @@ def prepare(cfg: GyreConfig) -> str:
     save_policy(model, tok, str(run.policy0))
     run.mark("prepare", {"params": sum(p.numel() for p in model.parameters()), "vocab": len(tok)})
     return str(run.path)
+
+
+def check_replayable(lake, cfg: GyreConfig) -> None:
+    """A replay needs the source run's demonstrations and one committed `step=N` part per RL step."""
+    src = cfg.run.replay
+    if src == cfg.run_id():
+        raise ConfigError(f"run.replay: a run cannot replay itself ('{src}'); leave run.name unset or change it")
+    parts = lake.parts(src)
+    if not parts:
+        raise ConfigError(f"run.replay: no run '{src}' in the lake at {cfg.lake.root} (runs: {', '.join(lake.runs()) or 'none'})")
+    missing = [f"step={s}" for s in range(cfg.rl.steps) if f"step={s}" not in parts]
+    if "demos" not in parts or missing:
+        have = [p for p in parts if p.startswith("step=") or p == "demos"]
+        raise ConfigError(f"run.replay: run '{src}' lacks {', '.join((['demos'] if 'demos' not in parts else []) + missing)} "
+                          f"for rl.steps={cfg.rl.steps} (it has {', '.join(have) or 'nothing'}); lower rl.steps")
 
 
 def check_resumable(run: RunDir) -> None:
@@ -188,7 +219,10 @@ def warm_start(run_dir: str) -> str:
     cfg, t0 = run.cfg, time.time()
     ws = cfg.warmstart
     seeds = [cfg.env.train_seed_start + DEMO_SEED_OFFSET + i for i in range(ws.episodes)]  # apart from RL seeds
-    records = _demonstrations(run, seeds, "demo", "warm start: demonstrations")
+    if cfg.run.replay:        # the stored run's demonstrations: the same warm start without the expert's rollouts
+        records = _replayed(run, "demos")
+    else:
+        records = _demonstrations(run, seeds, "demo", "warm start: demonstrations")
     _write_records(run, "demos", records)
     good = [r for r in records if r.success]
     model, tok = load_policy(str(run.policy0))
@@ -200,6 +234,14 @@ def warm_start(run_dir: str) -> str:
                                    "sequences": n_seq, "sft_steps": len(losses),
                                    "loss_first": losses[0] if losses else None,
                                    "loss_last": losses[-1] if losses else None, "wall_s": time.time() - t0})["path"]
+
+
+def _replayed(run: RunDir, part: str) -> list:
+    """A part of the replayed run, as this run's records (same executions, this run's id)."""
+    records = _lake(run).read_records(run.cfg.run.replay, part)
+    for r in records:
+        r.run_id = run.run_id
+    return records
 
 
 def _demonstrations(run: RunDir, seeds: list[int], kind: str, label: str) -> list:
@@ -377,30 +419,14 @@ def latest_version(run: RunDir) -> int:
 
 
 def rollout(run_dir: str, step: int) -> str:
-    """B tasks × G executions with the current policy version; records land in the lake."""
+    """B tasks × G executions with the current policy version; records land in the lake.
+    A replay (`run.replay`) takes the stored run's executions of this step instead."""
     run = RunDir.open(run_dir)
     part = f"step={step}"
     if (m := run.done(f"rollout_{step:04d}")) is not None:
         return m["part"]
-    from .harness.loop import ExecutionSpec, fork_tree
-    from .harness.policies import EnginePolicy
-
     cfg, t0 = run.cfg, time.time()
-    ro = cfg.rollout
-    eng = _engine_at(run, step)      # version n rolls out step n (on-policy)
-    eng.reseed(cfg.run.seed * 1_000_003 + step)
-    specs = []
-    rng = random.Random(cfg.run.seed * 1_000_003 + step)
-    for b in range(ro.tasks_per_step):
-        seed = cfg.env.train_seed_start + step * ro.tasks_per_step + b
-        group = [ExecutionSpec(run.run_id, step, f"{run.run_id}/s{step}/t{b}/g{g}", f"seed{seed}", seed, "train", step)
-                 for g in range(ro.group_size)]
-        if ro.fork_k > 1:   # branching rollouts: trees of forks from saved environment states
-            fork_tree(group, ro.fork_k, ro.fork_depth, ro.fork_turns, rng,
-                      ro.fork_entropy if ro.fork_at == "entropy" else None)
-        specs += group
-    with phase(f"step {step}: rollout", len(specs)) as tick:
-        records = _run_policy(run, specs, EnginePolicy(eng, ro.temperature), lambda r: tick(), rollout=True)
+    records = _replayed(run, part) if cfg.run.replay else _roll_out(run, step)
     from .processor.batch import reward_of
 
     for r in records:
@@ -417,38 +443,92 @@ def rollout(run_dir: str, step: int) -> str:
     return run.mark(f"rollout_{step:04d}", stats)["part"]
 
 
+def _roll_out(run: RunDir, step: int) -> list:
+    """The step's executions, generated by policy version `step` (the tasks depend on step and seed only)."""
+    from .harness.loop import ExecutionSpec, fork_tree
+    from .harness.policies import EnginePolicy
+
+    cfg = run.cfg
+    ro = cfg.rollout
+    eng = _engine_at(run, step)      # version n rolls out step n (on-policy)
+    eng.reseed(cfg.run.seed * 1_000_003 + step)
+    specs = []
+    rng = random.Random(cfg.run.seed * 1_000_003 + step)
+    for b in range(ro.tasks_per_step):
+        seed = cfg.env.train_seed_start + step * ro.tasks_per_step + b
+        group = [ExecutionSpec(run.run_id, step, f"{run.run_id}/s{step}/t{b}/g{g}", f"seed{seed}", seed, "train", step)
+                 for g in range(ro.group_size)]
+        if ro.fork_k > 1:   # branching rollouts: trees of forks from saved environment states
+            fork_tree(group, ro.fork_k, ro.fork_depth, ro.fork_turns, rng,
+                      ro.fork_entropy if ro.fork_at == "entropy" else None)
+        specs += group
+    with phase(f"step {step}: rollout", len(specs)) as tick:
+        return _run_policy(run, specs, EnginePolicy(eng, ro.temperature), lambda r: tick(), rollout=True)
+
+
 def score(run_dir: str, step: int) -> dict:
-    """Group-relative advantages from the rewards rollout derived from what the executions left behind."""
+    """Group-relative advantages from the rewards rollout derived from what the executions left behind.
+
+    With `processor.dedup`, identical executions of a task are collapsed into the one with the smallest
+    id (`gyre_core.lake.dedup`): it is trained with a multiplicity, the group statistics count every
+    execution, and each duplicate's row names the execution it was collapsed into (`kept_as`)."""
     run = RunDir.open(run_dir)
     if (m := run.done(f"score_{step:04d}")) is not None:
         return m
+    from collections import Counter
+
     from .processor.batch import group_advantages
 
     t0 = time.time()
     ex = _lake(run).read("executions", run.run_id, f"step={step}").to_pylist()
     ok = [e for e in ex if e["status"] != "failed"]
     rewards = {e["execution_id"]: e["reward"] for e in ok}   # set once, in rollout (reward_of)
+    found = _kept_as(run, step) if run.cfg.processor.dedup else {}
+    kept_as = {i: found.get(i, i) for i in rewards}   # status is in the key: a kept twin is not failed
+    mult = Counter(kept_as.values())
     groups: dict[str, list[str]] = {}
     for e in ok:
-        groups.setdefault(e["task_id"], []).append(e["execution_id"])
-    adv = group_advantages(rewards, groups, run.cfg.rl.advantage_norm)
+        if kept_as[e["execution_id"]] == e["execution_id"]:
+            groups.setdefault(e["task_id"], []).append(e["execution_id"])
+    kept_adv = group_advantages({i: rewards[i] for i in mult}, groups, run.cfg.rl.advantage_norm, dict(mult))
+    adv = {i: kept_adv[k] for i, k in kept_as.items()}      # a duplicate gets its kept twin's advantage
     from .lake.schema import SCORES
 
     table = pa.Table.from_pylist([{
         "run_id": run.run_id, "step": step, "execution_id": e["execution_id"], "task_id": e["task_id"],
         "reward": rewards.get(e["execution_id"]), "advantage": adv.get(e["execution_id"]),
         "excluded": e["execution_id"] not in adv,
-        "reason": "" if e["execution_id"] in adv else (e["error"] or e["status"])} for e in ex], schema=SCORES)
+        "reason": "" if e["execution_id"] in adv else (e["error"] or e["status"]),
+        "multiplicity": mult.get(e["execution_id"], 0) if e["execution_id"] in adv else 1,
+        "kept_as": kept_as.get(e["execution_id"], e["execution_id"])} for e in ex], schema=SCORES)
     _lake(run).write_part(run.run_id, f"score={step}", {"scores": table})
     rs = list(rewards.values()) or [0.0]
     mean = sum(rs) / len(rs)
     std = (sum((r - mean) ** 2 for r in rs) / len(rs)) ** 0.5
     return run.mark(f"score_{step:04d}", {"reward_mean": mean, "reward_std": std, "excluded": len(ex) - len(ok),
-                                          "score_s": time.time() - t0})
+                                          "collapsed": len(kept_as) - len(mult), "score_s": time.time() - t0})
+
+
+def _kept_as(run: RunDir, step: int) -> dict[str, str]:
+    """execution_id -> the identical execution of the step trained in its place (itself when kept),
+    from the DuckDB content-hash dedup over the lake."""
+    from .lake.dedup import dedup_groups
+    from .lake.sql import connect
+
+    con = connect(run.cfg.lake.root, run_id=run.run_id, storage_options=run.cfg.lake.storage_options or None)
+    try:
+        groups = dedup_groups(con, step).to_pylist()
+    finally:
+        con.close()
+    return {m: g["execution_id"] for g in groups for m in g["members"]}
 
 
 def process(run_dir: str, step: int) -> str:
-    """Training sequences with per-token advantages and two-level weights, saved for the trainer."""
+    """Training sequences with per-token advantages and two-level weights, saved for the trainer.
+
+    Executions that `score` collapsed into an identical one (multiplicity 0) are not read; the kept one
+    is trained with its multiplicity as weight and counts that many times in the normaliser. In flat mode
+    the update is exactly that of training every duplicate; in tree mode see `processor.sampling`."""
     run = RunDir.open(run_dir)
     if (m := run.done(f"process_{step:04d}")) is not None:
         return m["batch"]
@@ -459,17 +539,22 @@ def process(run_dir: str, step: int) -> str:
 
     t0 = time.time()
     pc = run.cfg.processor
-    records = _read_records(run, f"step={step}")
-    sc = _lake(run).read("scores", run.run_id, f"score={step}").to_pylist()
-    adv = {s["execution_id"]: s["advantage"] for s in sc if not s["excluded"]}
+    sc = [s for s in _lake(run).read("scores", run.run_id, f"score={step}").to_pylist() if not s["excluded"]]
+    # a scores part written before dedup has no multiplicity: every execution stands for itself
+    mult = {s["execution_id"]: 1 if s.get("multiplicity") is None else s["multiplicity"] for s in sc}
+    collapsed = {i for i, m in mult.items() if m == 0}
+    sc = [s for s in sc if s["execution_id"] not in collapsed]
+    mult = {i: m for i, m in mult.items() if m > 0}
+    records = _read_records(run, f"step={step}", skip=collapsed)
+    adv = {s["execution_id"]: s["advantage"] for s in sc}
     tables, extra = {}, {}
     if pc.mode == "tree":
         from .processor.credit import CreditConfig
         from .processor.pruning import PruneConfig
         from .processor.sampling import SamplingConfig, batch_tables, tree_batch
 
-        rewards = {s["execution_id"]: s["reward"] for s in sc if not s["excluded"]}
-        tb = tree_batch(records, adv, rewards,
+        rewards = {s["execution_id"]: s["reward"] for s in sc}
+        tb = tree_batch(records, adv, rewards, multiplicity=mult,
                         sampling=SamplingConfig(j_max=pc.j_max, token_budget=pc.token_budget, weighting=pc.weighting,
                                                 role_order=tuple(pc.role_order), seed=run.cfg.run.seed * 7919 + step),
                         credit=CreditConfig(mode=pc.credit, shrink_k=pc.shrink_k),
@@ -478,7 +563,7 @@ def process(run_dir: str, step: int) -> str:
         batch = TrainBatch(tb.sequences, tb.normaliser, tb.n_executions, tb.excluded)
         extra = {"tokens_unique": tb.tokens_unique, "tokens_flat": tb.tokens_flat}
     else:
-        batch = build_batch(records, adv)
+        batch = build_batch(records, adv, mult)
     tables["train_tokens"] = train_tokens_table({
         "run_id": run.run_id, "step": step, "execution_id": s.execution_id, "call_index": s.call_index,
         "advantage": next((a for a, w in zip(s.advantages, s.weights) if w), 0.0),
@@ -491,6 +576,7 @@ def process(run_dir: str, step: int) -> str:
     tmp.replace(path)
     return run.mark(f"process_{step:04d}", {
         "batch": str(path), "sequences": len(batch.sequences), "executions": batch.n_executions,
+        "executions_unique": len({s.execution_id for s in batch.sequences}), "collapsed": len(collapsed),
         "excluded": len(batch.excluded), "tokens_trained": sum(s.n_trainable for s in batch.sequences),
         "tokens_total": sum(len(s.input_ids) for s in batch.sequences), "process_s": time.time() - t0,
         **extra})["batch"]
@@ -612,6 +698,7 @@ def step_metrics(run: RunDir, step: int) -> dict[str, float]:
         "rollout/turns": ro.get("turns", 0.0), "rollout/failed": ro.get("failed", 0),
         "rollout/compactions": ro.get("compactions", 0), "rollout/invalid_actions": ro.get("invalid_actions", 0),
         "tokens/generated": ro.get("tokens_generated", 0), "tokens/trained": pr.get("tokens_trained", 0),
+        "dedup/collapsed": sc.get("collapsed", 0),
         "train/loss": tr.get("loss", 0.0), "train/kl": tr.get("kl", 0.0), "train/clip_frac": tr.get("clip_frac", 0.0),
         "train/clip_frac_in_update": tr.get("clip_frac_in_update", 0.0),
         "train/entropy": tr.get("entropy", 0.0), "train/logprob_mismatch": tr.get("logprob_mismatch", 0.0),

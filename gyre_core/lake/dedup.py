@@ -6,15 +6,20 @@ with a `multiplicity`, so group-relative advantages and the loss still count eve
     kept = dedup_executions(connect("data/lake", run_id="run1"), step=3)   # pyarrow Table + multiplicity
 
 Two executions are duplicates when they belong to the same (run, step, task) and carry the same token
-content: every call's role, context, parent, prefix length, new prompt ids, completion ids and policy
-versions (`execution_content.content_hash`), the same fork point, the same call and token counts, and
-the same status and reward (so collapsing them cannot change an advantage). An execution that another
-execution was forked from is never collapsed away: the fork's shared calls are stored with it.
+content: every call's role, context, parent, prefix length, prompt length, new prompt ids, completion
+ids, behaviour log-probs and policy versions (`execution_content.content_hash`), the same fork point, the
+same call and token counts, and the same status and reward. So one of them, trained with its
+multiplicity as weight, gives exactly the loss and gradient of all of them (the log-probs are in the
+key for that: the PPO ratio reads them; they are equal for equal tokens unless the engine is
+nondeterministic). An execution that another execution was forked from is never collapsed (neither
+away nor into): the fork's shared calls are stored with it. The kept execution of a set is the one
+with the smallest id.
 
 The query runs keys first (a GROUP BY over hashes and counts only, no token lists), then joins the kept
-execution ids back to `executions` for the full rows. The content hash is DuckDB's 64-bit `hash` over
-the call rows, combined with the counts and reward in the key: for two different executions to be
-merged, they would need equal counts, rewards and a 64-bit hash collision.
+execution ids back to `executions` for the full rows; `dedup_groups` is the keys alone, with the ids
+each kept execution stands for. The content hash is DuckDB's 64-bit `hash` over the call rows, combined
+with the counts and reward in the key: for two different executions to be merged, they would need
+equal counts, rewards and a 64-bit hash collision.
 """
 from __future__ import annotations
 
@@ -26,8 +31,9 @@ EXECUTION_CONTENT_VIEW = """
 CREATE VIEW execution_content AS
 WITH call_hashes AS (
     SELECT run_id, step, execution_id,
-           hash(list(hash(call_index, context_index, role, parent_call, prefix_len,
-                          new_prompt_ids, completion_ids, versions) ORDER BY call_index)) AS calls_hash
+           hash(list(hash(call_index, context_index, role, parent_call, prefix_len, prompt_len,
+                          new_prompt_ids, payload_uri, completion_ids, logprobs, versions)
+                     ORDER BY call_index)) AS calls_hash
     FROM calls
     GROUP BY run_id, step, execution_id
 ),
@@ -45,7 +51,8 @@ LEFT JOIN fork_parents p USING (run_id, step, execution_id)
 
 # Keys first: which execution of each duplicate set is kept, and how many it stands for.
 DEDUP_KEYS = """
-SELECT run_id, step, task_id, min(execution_id) AS execution_id, count(*)::INTEGER AS multiplicity
+SELECT run_id, step, task_id, min(execution_id) AS execution_id, count(*)::INTEGER AS multiplicity,
+       list(execution_id ORDER BY execution_id) AS members
 FROM execution_content
 WHERE {where}
 GROUP BY run_id, step, task_id, content_hash, fork_of, fork_call, n_calls, tokens_generated, status, reward,
@@ -65,6 +72,14 @@ def dedup_sql(step: int | None = None) -> tuple[str, list]:
     """The dedup query (and its parameters) over the views of `connect()`, for one step or all."""
     where, params = ("step = ?", [int(step)]) if step is not None else ("true", [])
     return DEDUP.format(keys=DEDUP_KEYS.format(where=where)), params
+
+
+def dedup_groups(con: duckdb.DuckDBPyConnection, step: int | None = None) -> pa.Table:
+    """The keys alone: one row per duplicate set (a unique execution is a set of one) with the kept
+    `execution_id`, its `multiplicity` and `members` (every id it stands for, itself first)."""
+    where, params = ("step = ?", [int(step)]) if step is not None else ("true", [])
+    return con.sql(DEDUP_KEYS.format(where=where) + "ORDER BY run_id, step, execution_id",
+                   params=params).to_arrow_table()
 
 
 def dedup_executions(con: duckdb.DuckDBPyConnection, step: int | None = None) -> pa.Table:

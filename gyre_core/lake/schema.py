@@ -69,6 +69,8 @@ CALLS = pa.schema(
         ("finish_reason", pa.string()),
         ("t_start", pa.float64()),
         ("t_end", pa.float64()),
+        ("tool_call_ids", pa.list_(pa.string())),   # since version 2
+        ("payload_uri", pa.string()),               # since version 2: new_prompt_ids stored as an object
     ],
     metadata=_META,
 )
@@ -99,6 +101,8 @@ SCORES = pa.schema(
         ("advantage", pa.float64()),
         ("excluded", pa.bool_()),
         ("reason", pa.string()),
+        ("multiplicity", pa.int32()),      # dedup: executions the row stands for (0: collapsed into kept_as)
+        ("kept_as", pa.string()),          # dedup: the identical execution trained for it (its own id if kept)
     ],
     metadata=_META,
 )
@@ -218,6 +222,13 @@ SCHEMAS: dict[str, pa.Schema] = {
     "exclusions": EXCLUSIONS,
 }
 
+# Columns added after version 1, with the version that added them: files of an older version lack them
+# (they read as NULL); any other missing column is a schema mismatch.
+ADDED_IN: dict[str, dict[str, int]] = {
+    "calls": {"tool_call_ids": 2, "payload_uri": 2},
+    "scores": {"multiplicity": 2, "kept_as": 2},
+}
+
 _EXEC_FIELDS = [f.name for f in EXECUTIONS if f.name not in ("n_calls", "tokens_generated")]
 
 
@@ -252,6 +263,8 @@ def calls_table(records: list[ExecutionRecord]) -> pa.Table:
         "finish_reason": [c.finish_reason for _, c in rows],
         "t_start": [c.t_start for _, c in rows],
         "t_end": [c.t_end for _, c in rows],
+        "tool_call_ids": [c.tool_call_ids for _, c in rows],
+        "payload_uri": [None] * len(rows),       # set by Lake.write_part for a prompt too large to inline
     }
     return pa.Table.from_pydict(cols, schema=CALLS)
 
@@ -332,7 +345,7 @@ def _rebuild_calls(execution_id: str, rows: list[dict[str, Any]]) -> list[CallRe
             role=r["role"], prompt_ids=prompt, completion_ids=r["completion_ids"],
             logprobs=r["logprobs"], versions=r["versions"], finish_reason=r["finish_reason"],
             parent_call=r["parent_call"], prefix_len=r["prefix_len"],
-            t_start=r["t_start"], t_end=r["t_end"],
+            t_start=r["t_start"], t_end=r["t_end"], tool_call_ids=r.get("tool_call_ids") or [],
         ))
     return calls
 

@@ -163,6 +163,18 @@ def _view_sql(table: str, urls: list[str]) -> str:
             f"read_parquet([{quoted}], union_by_name = true, hive_partitioning = false)")
 
 
+def _add_missing_columns(con: duckdb.DuckDBPyConnection, table: str, urls: list[str]) -> None:
+    """Files of an older schema version lack the newer columns: the view gets them as typed NULLs, so a
+    query (and the dedup hash) sees every column of the current schema whatever the files' versions."""
+    have = {r[0] for r in con.execute(f"DESCRIBE {table}").fetchall()}
+    missing = [f for f in SCHEMAS[table] if f.name not in have]
+    if not urls or not missing:
+        return
+    extra = ", ".join(f'CAST(NULL AS {duckdb_type(f.type)}) AS "{f.name}"' for f in missing)
+    con.execute(_view_sql(table, urls).replace("CREATE VIEW", "CREATE OR REPLACE VIEW")
+                .replace(" AS SELECT * FROM ", f" AS SELECT *, {extra} FROM ", 1))
+
+
 def steps_table(manifests: list[dict[str, Any]]) -> pa.Table:
     """The `steps` rows of these manifests: kind and step from the part label (`step=3` -> step, 3;
     `eval=before` -> eval, NULL; `demos` -> demos, NULL), table names, total rows and bytes."""
@@ -214,6 +226,7 @@ def connect(root: str, run_id: str | None = None,
             build.register_filesystem(rofs)
             for table, urls in views.items():
                 build.execute(_view_sql(table, urls))
+                _add_missing_columns(build, table, urls)
             build.execute(TOKENS_VIEW)
             build.execute(EXECUTION_CONTENT_VIEW)
             _create_steps(build, manifests)

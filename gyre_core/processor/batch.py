@@ -57,13 +57,23 @@ def reward_of(success: bool, partial: float, partial_weight: float) -> float:
     return 1.0 if success else partial_weight * partial
 
 
-def group_advantages(rewards: dict[str, float], groups: dict[str, list[str]], norm: str) -> dict[str, float]:
-    """A_i = r_i − mean(group) (÷ group std when norm == "std"; a constant group gets 0)."""
+def group_advantages(rewards: dict[str, float], groups: dict[str, list[str]], norm: str,
+                     multiplicity: dict[str, int] | None = None) -> dict[str, float]:
+    """A_i = r_i − mean(group) (÷ group std when norm == "std"; a constant group gets 0).
+
+    `multiplicity` (default 1 each) says how many identical executions a member stands for: the mean
+    and std are weighted by it, so they are those of the group with every duplicate present.
+    """
+    mult = multiplicity or {}
     adv: dict[str, float] = {}
     for members in groups.values():
         rs = [rewards[m] for m in members]
-        mean = sum(rs) / len(rs)
-        std = math.sqrt(sum((r - mean) ** 2 for r in rs) / len(rs))
+        ws = [mult.get(m, 1) for m in members]
+        if any(w < 1 for w in ws):
+            raise ValueError(f"multiplicities must be ≥ 1, got {dict(zip(members, ws))}")
+        n = sum(ws)
+        mean = sum(w * r for w, r in zip(ws, rs)) / n
+        std = math.sqrt(sum(w * (r - mean) ** 2 for w, r in zip(ws, rs)) / n)
         for m, r in zip(members, rs):
             a = r - mean
             if norm == "std":
@@ -117,8 +127,16 @@ def execution_sequences(rec: ExecutionRecord, advantage: float) -> list[TrainSeq
     return seqs
 
 
-def build_batch(records: list[ExecutionRecord], advantages: dict[str, float]) -> TrainBatch:
-    """All trainable executions' sequences; the normaliser is the number of executions kept."""
+def build_batch(records: list[ExecutionRecord], advantages: dict[str, float],
+                multiplicity: dict[str, int] | None = None) -> TrainBatch:
+    """All trainable executions' sequences; the normaliser is the number of executions kept.
+
+    `multiplicity` (default 1 each) is how many identical executions a record stands for (see
+    `gyre_core.lake.dedup`): its token weights are multiplied by it and it counts that many times in
+    the normaliser and `n_executions`, so the loss and gradient are exactly those of the batch with
+    every duplicate present, each trained on its own.
+    """
+    mult = multiplicity or {}
     seqs: list[TrainSequence] = []
     excluded: dict[str, str] = {}
     kept = 0
@@ -132,7 +150,14 @@ def build_batch(records: list[ExecutionRecord], advantages: dict[str, float]) ->
             excluded[rec.execution_id] = str(exc)
             continue
         if ex_seqs:
-            kept += 1
+            m = mult.get(rec.execution_id, 1)
+            if m < 1:
+                raise ValueError(f"execution {rec.execution_id}: multiplicity {m} (a collapsed duplicate "
+                                 f"is not trained: leave it out of `records`)")
+            if m != 1:
+                for s in ex_seqs:
+                    s.weights = [w * m for w in s.weights]
+            kept += m
             seqs.extend(ex_seqs)
     return TrainBatch(seqs, float(max(kept, 1)), kept, excluded)
 

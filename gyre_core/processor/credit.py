@@ -47,16 +47,21 @@ class TreeCredit:
     step: np.ndarray    # the tree term c/(c+k)·(V − V_parent) per node (0 at the root and where undefined)
 
 
-def node_values(tree: TrajectoryTree, rewards: Mapping[str, float]) -> tuple[np.ndarray, np.ndarray]:
-    """(V, count) per node: the mean reward of the leaf occurrences below it and how many there are."""
+def node_values(tree: TrajectoryTree, rewards: Mapping[str, float],
+                multiplicity: Mapping[str, int] | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """(V, count) per node: the mean reward of the leaf occurrences below it and how many there are.
+    An execution standing for `multiplicity[id]` identical ones (default 1) counts that many times."""
+    mult = multiplicity or {}
     total = np.zeros(tree.n_nodes, dtype=np.float64)
     count = np.zeros(tree.n_nodes, dtype=np.int64)
     for lf in tree.leaves:
         for e, _ in lf.occurrences:
-            r = rewards.get(tree.execution_ids[e])
+            eid = tree.execution_ids[e]
+            r = rewards.get(eid)
             if r is not None:
-                total[lf.node] += r
-                count[lf.node] += 1
+                m = mult.get(eid, 1)
+                total[lf.node] += m * r
+                count[lf.node] += m
     parent = tree.node_parent
     for n in tree.topological()[::-1].tolist():    # children before parents
         if n > 0:
@@ -67,11 +72,12 @@ def node_values(tree: TrajectoryTree, rewards: Mapping[str, float]) -> tuple[np.
     return value, count
 
 
-def tree_credit(tree: TrajectoryTree, rewards: Mapping[str, float], cfg: CreditConfig) -> TreeCredit | None:
+def tree_credit(tree: TrajectoryTree, rewards: Mapping[str, float], cfg: CreditConfig,
+                multiplicity: Mapping[str, int] | None = None) -> TreeCredit | None:
     """Node values and step terms for `tree` mode; None for `grpo` (nothing to compute)."""
     if cfg.mode == "grpo":
         return None
-    value, count = node_values(tree, rewards)
+    value, count = node_values(tree, rewards, multiplicity)
     vp = value[np.maximum(tree.node_parent, 0)]
     c = count.astype(np.float64)
     with np.errstate(invalid="ignore", divide="ignore"):

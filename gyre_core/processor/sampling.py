@@ -24,6 +24,13 @@ Token weights (generated tokens only; injected tokens are context):
   that end at the leaf); 1 / (the sum of those counts): the same as training each branch separately.
 Either way an execution's weights sum to 1 and `normaliser` = executions with a weighted token.
 Advantages come from `credit.path_advantages`; as in `batch.py` a token with weight 0 gets advantage 0.
+
+Deduplicated executions (`multiplicity`, see `gyre_core.lake.dedup`): a kept execution that stands for m
+identical ones is in the trees once; its weights sum to m, it counts m times in `normaliser` and in tree
+credit (node values and counts), as if all m were there. The m duplicates would have the same candidate
+leaves, so when the sampler takes every leaf (no `j_max` or budget cut) this is exactly the batch with
+the duplicates present; when it cuts, the m independent draws become one draw weighted m: the same
+expectation, a higher variance. Leaf multiplicities in `tree_leaves` count the kept executions' contexts.
 Covered sets are unions of root paths, so "covered" is stored as a per-node count of covered leading
 tokens, and a leaf's covered part is a prefix of its path, found from its deepest covered node.
 """
@@ -103,6 +110,7 @@ class TreeBatch:
     key_pairs_unique: int                         # Σ over U of (depth + 1): attention work when packed
     key_pairs_flat: int
     advantages: dict[str, float] = field(default_factory=dict)
+    multiplicity: dict[str, int] = field(default_factory=dict)   # execution_id -> executions it stands for
 
 
 def _covered_depth(c: Candidate, cov: np.ndarray) -> int:
@@ -242,8 +250,11 @@ def _counted(c: Candidate, weighting: str) -> int:
 
 
 def emit(trees: list[TrajectoryTree], cands: dict[tuple[int, int], list[Candidate]], advantages: Mapping[str, float],
-         credits: list[TreeCredit | None], credit_cfg: CreditConfig, weighting: str) -> tuple[list[TrainSequence], int]:
-    """The selected paths as TrainSequences (selection order per execution); and the executions kept."""
+         credits: list[TreeCredit | None], credit_cfg: CreditConfig, weighting: str,
+         multiplicity: Mapping[str, int] | None = None) -> tuple[list[TrainSequence], int]:
+    """The selected paths as TrainSequences (selection order per execution); and the executions kept,
+    each counted with its multiplicity (default 1; its weights sum to it)."""
+    mult = multiplicity or {}
     seqs: list[TrainSequence] = []
     kept = 0
     for (t, e), cs in cands.items():
@@ -251,9 +262,10 @@ def emit(trees: list[TrajectoryTree], cands: dict[tuple[int, int], list[Candidat
         counted = sum(_counted(c, weighting) for c in sel)
         if counted == 0:
             continue
-        kept += 1
-        w_exec = 1.0 / counted
         tree = trees[t]
+        m = mult.get(tree.execution_ids[e], 1)
+        kept += m
+        w_exec = m / counted
         a_exec = advantages[tree.execution_ids[e]]
         for c in sel:
             ids, gen, lp, ver = tree.path_values(e, c.call_index, c.length)
@@ -281,12 +293,17 @@ def packed_work(trees: list[TrajectoryTree], union: list[np.ndarray]) -> tuple[i
 
 def tree_batch(records: list[ExecutionRecord], advantages: Mapping[str, float],
                rewards: Mapping[str, float] | None = None, *, sampling: SamplingConfig | None = None,
-               credit: CreditConfig | None = None, prune: PruneConfig | None = None) -> TreeBatch:
+               credit: CreditConfig | None = None, prune: PruneConfig | None = None,
+               multiplicity: Mapping[str, int] | None = None) -> TreeBatch:
     """Trees, loop pruning, credit and bounded dedup sampling for one step's executions.
 
     `advantages` holds the executions to train (as `batch.build_batch`); `rewards` are needed for
     `tree` credit. Executions without an advantage, and those whose records are rejected, are excluded.
+    `multiplicity` (default 1 each): how many identical executions a record stands for (module docstring).
     """
+    mult = dict(multiplicity or {})
+    if any(m < 1 for m in mult.values()):
+        raise ValueError("multiplicities must be ≥ 1 (a collapsed duplicate is not trained: leave it out)")
     sampling, credit = sampling or SamplingConfig(), credit or CreditConfig()
     excluded, stage = {}, {}
     keep = []
@@ -300,11 +317,11 @@ def tree_batch(records: list[ExecutionRecord], advantages: Mapping[str, float],
         excluded[eid], stage[eid] = why, "tree"
     if credit.mode == "tree" and rewards is None:
         raise ValueError("tree credit needs the executions' rewards")
-    credits = [tree_credit(t, rewards or {}, credit) for t in trees]
+    credits = [tree_credit(t, rewards or {}, credit, mult) for t in trees]
     cuts = [prune_loops(t, prune) if prune is not None else {} for t in trees]
     cands = candidates(trees, cuts, None, sampling.role_order)
     union = select(trees, cands, sampling)
-    seqs, kept = emit(trees, cands, advantages, credits, credit, sampling.weighting)
+    seqs, kept = emit(trees, cands, advantages, credits, credit, sampling.weighting, mult)
     flat = [c for cs in cands.values() for c in cs]
     sel = [c for c in flat if c.selected]
     tok_u, pairs_u = packed_work(trees, union)
@@ -313,7 +330,7 @@ def tree_batch(records: list[ExecutionRecord], advantages: Mapping[str, float],
         exclusion_stage=stage, trees=trees, candidates=flat, credits=credits, cuts=cuts,
         tokens_unique=tok_u, tokens_flat=sum(c.length for c in sel),
         key_pairs_unique=pairs_u, key_pairs_flat=sum(c.length * (c.length + 1) // 2 for c in sel),
-        advantages=dict(advantages))
+        advantages=dict(advantages), multiplicity=mult)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -330,8 +347,8 @@ def tree_paths_table(run_id: str, step: int, batch: TreeBatch, weighting: str = 
     rows = []
     for c in batch.candidates:
         n_w = _counted(c, weighting) // (c.mult if weighting == "per_branch" else 1) if c.selected else 0
-        tw = (c.mult if weighting == "per_branch" else 1) / counted[c.execution_id] \
-            if c.selected and counted.get(c.execution_id) else 0.0
+        tw = (c.mult if weighting == "per_branch" else 1) * batch.multiplicity.get(c.execution_id, 1) \
+            / counted[c.execution_id] if c.selected and counted.get(c.execution_id) else 0.0
         rows.append({
             "run_id": run_id, "step": step, "task_id": batch.trees[c.tree].task_id,
             "execution_id": c.execution_id, "leaf_id": c.leaf, "call_index": c.call_index, "role": c.role,

@@ -143,3 +143,42 @@ def test_control_spends_the_rl_wall_time_on_the_same_tasks_and_seeds(clean_run):
     # the ceiling beside it: the expert's success on its demonstration seeds, from the lake
     demo = _q(con, "SELECT avg(success::INT), count(*) FROM executions WHERE split = 'demo'")[0]
     assert summary["expert"] == {"success": pytest.approx(demo[0]), "episodes": demo[1]}
+
+
+def test_replay_trains_on_the_stored_trajectories_without_rollouts(tmp_path, monkeypatch, clean_run):
+    """`gyre train --replay RUN`: the stored run's demonstrations and step executions, no rollout and no
+    evaluation — and since training is deterministic, exactly the stored run's weights at the end."""
+    clean_tmp, clean_summary = clean_run
+
+    def no_rollouts(*a, **k):
+        raise AssertionError("a replay must not roll out")
+
+    monkeypatch.setattr(steps, "_roll_out", no_rollouts)
+    monkeypatch.setattr(steps, "_demonstrations", no_rollouts)
+    monkeypatch.setattr(steps, "evaluate", no_rollouts)
+    ov = [f"run.out_root={tmp_path}/runs", f"lake.root={clean_tmp}/lake", f"tracking.uri=sqlite:///{tmp_path}/mlflow.db"]
+    from gyre_core.config import ConfigError
+    with pytest.raises(ConfigError, match="no run 'nosuchrun' in the lake"):
+        train(preset="smoke", overrides=ov + ["run.replay=nosuchrun"])
+    with pytest.raises(ConfigError, match="lacks step=2, step=3 for rl.steps=4"):
+        train(preset="smoke", overrides=ov + ["run.replay=flowtest"], steps=4)
+    run_cache.clear()
+    summary = train(preset="smoke", overrides=ov + ["run.replay=flowtest"])
+    assert summary["run_id"] == "flowtest-replay" and summary["rl_steps"] == 2
+    assert summary["eval_paired"] is False
+    con = connect(str(clean_tmp / "lake"))
+    cols = "step, execution_id, task_id, reward, n_calls, tokens_generated"
+    for part in ("step=0", "step=1", "demos"):
+        s = part.split("=")[-1]
+        where = f"step = {s}" if s.isdigit() else "split = 'demo'"
+        src = _q(con, f"SELECT {cols} FROM executions WHERE run_id = 'flowtest' AND {where} ORDER BY 2")
+        assert src and _q(con, f"SELECT {cols} FROM executions WHERE run_id = 'flowtest-replay' AND {where} "
+                               f"ORDER BY 2") == src, part
+    n_calls = "SELECT count(*) FROM calls JOIN executions USING (run_id, step, execution_id) WHERE run_id = '{}'"
+    assert _q(con, n_calls.format("flowtest-replay")) == \
+        _q(con, n_calls.format("flowtest") + " AND split IN ('train', 'demo')")
+    for v in (1, 2):
+        mine = load_weights(str(tmp_path / "runs" / "flowtest-replay" / "weights" / f"v{v}.safetensors"))
+        theirs = load_weights(str(clean_tmp / "runs" / "flowtest" / "weights" / f"v{v}.safetensors"))
+        for k in theirs:
+            assert torch.equal(mine[k], theirs[k]), (v, k)
