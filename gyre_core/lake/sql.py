@@ -31,6 +31,7 @@ import os
 import re
 import shutil
 import tempfile
+import threading
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
@@ -93,6 +94,65 @@ class SqlRefused(SqlError):
     """A query tried to write, attach, install/load, change settings or read outside the lake."""
 
 
+class PositionalReader(io.RawIOBase):
+    """A read-only file that DuckDB's worker threads can share.
+
+    DuckDB's adapter for Python filesystems turns each positional read into seek() then read() on one
+    shared handle, from several threads at once: on an ordinary file object one thread's seek moves
+    another's read (short reads, Snappy errors, or silently wrong sums). Here every thread keeps its own
+    position, and a read is positional: os.pread on a local file, a ranged GET on an object store."""
+
+    def __init__(self, fs: AbstractFileSystem, path: str, size: int):
+        super().__init__()
+        self._fs, self._path, self._size = fs, path, int(size)
+        self._at = threading.local()
+        self._fd = os.open(path, os.O_RDONLY) if "file" in _protocols(fs) else None
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return getattr(self._at, "pos", 0)
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        self._at.pos = max(0, (0, self.tell(), self._size)[whence] + offset)
+        return self._at.pos
+
+    def read(self, n: int = -1) -> bytes:
+        start = self.tell()
+        end = self._size if n is None or n < 0 else min(self._size, start + n)
+        if start >= end:
+            return b""
+        if self._fd is None:
+            data = self._fs.cat_file(self._path, start=start, end=end)
+        else:
+            chunks, at = [], start
+            while at < end:                       # pread may return less than asked for
+                chunk = os.pread(self._fd, end - at, at)
+                if not chunk:
+                    break
+                chunks.append(chunk)
+                at += len(chunk)
+            data = b"".join(chunks)
+        self._at.pos = start + len(data)
+        return data
+
+    def readall(self) -> bytes:
+        return self.read(-1)
+
+    def close(self) -> None:
+        if self._fd is not None and not self.closed:
+            os.close(self._fd)
+        super().close()
+
+
+def _protocols(fs: AbstractFileSystem) -> tuple[str, ...]:
+    return (fs.protocol,) if isinstance(fs.protocol, str) else tuple(fs.protocol)
+
+
 class _ReadOnlyLakeFS(AbstractFileSystem):
     """The manifest-listed files of a lake, for reading only, as `gyrelake://<path in the lake>`."""
 
@@ -119,7 +179,7 @@ class _ReadOnlyLakeFS(AbstractFileSystem):
         entry = self.files.get(self._strip_protocol(path))
         if entry is None:
             raise FileNotFoundError(path)
-        return self.fs.open(entry["path"], "rb")
+        return PositionalReader(self.fs, entry["path"], entry["bytes"])
 
     def info(self, path, **kwargs):
         name = self._strip_protocol(path)

@@ -383,7 +383,7 @@ class Lake:
             size = self.fs.size(path)
             if size != entry["bytes"]:
                 return f"{size} bytes, its manifest says {entry['bytes']} (truncated or replaced)"
-            with self.fs.open(path, "rb") as f:
+            with self.fs.open(path, "rb", **({} if self.local else {"size": size})) as f:   # no second HEAD
                 pf = pq.ParquetFile(f)
                 rows, schema = pf.metadata.num_rows, pf.schema_arrow
         except FileNotFoundError:
