@@ -168,8 +168,8 @@ class Lake:
                 table, written = self._offload_payloads(run_id, part, table)
                 payloads += written
             fname = f"{name}.parquet"
-            self._put(f"{d}/{fname}", lambda f, t=_with_version(table): pq.write_table(t, f))
-            files[name] = {"file": fname, "rows": table.num_rows, "bytes": self.fs.size(f"{d}/{fname}")}
+            size = self._put(f"{d}/{fname}", lambda f, t=_with_version(table): pq.write_table(t, f))
+            files[name] = {"file": fname, "rows": table.num_rows, "bytes": size}
         body = {
             "format": "gyre-lake",
             "schema_version": SCHEMA_VERSION,
@@ -181,21 +181,25 @@ class Lake:
         if payloads:
             body["payloads"] = sorted(set(payloads))
         self._put_json(manifest, body)
-        self._remove_strays(d, {v["file"] for v in files.values()} | {MANIFEST}, set(body.get("payloads", [])))
+        if old is not None:               # a first attempt that died before its manifest: cleanup() at run start
+            self._remove_strays(d, {v["file"] for v in files.values()} | {MANIFEST}, set(body.get("payloads", [])))
         return manifest
 
-    def _put(self, path: str, write) -> None:
+    def _put(self, path: str, write) -> int:
+        """Write a whole file (readers never see part of it); returns its size in bytes."""
         if not self.local:                 # one PUT: an object appears whole or not at all
             with self.fs.open(path, "wb") as f:
                 write(f)
-            return
+                return f.tell()
         tmp = f"{path}.tmp-{uuid.uuid4().hex}"
         try:
             with open(tmp, "wb") as f:
                 write(f)
                 f.flush()
                 os.fsync(f.fileno())
+                size = f.tell()
             os.replace(tmp, path)
+            return size
         finally:
             if os.path.exists(tmp):
                 os.remove(tmp)
@@ -516,9 +520,9 @@ class Lake:
             for table, parts in sorted(tables.items()):
                 merged = pa.concat_tables(parts, promote_options="permissive")
                 fname = f"{table}.parquet"
-                self._put(f"{d}/{fname}",
-                          lambda f, t=_with_version(merged): pq.write_table(t, f, row_group_size=1 << 20))
-                files[table] = {"file": fname, "rows": merged.num_rows, "bytes": self.fs.size(f"{d}/{fname}")}
+                size = self._put(f"{d}/{fname}",
+                                 lambda f, t=_with_version(merged): pq.write_table(t, f, row_group_size=1 << 20))
+                files[table] = {"file": fname, "rows": merged.num_rows, "bytes": size}
             body = {"format": "gyre-lake", "schema_version": SCHEMA_VERSION, "run_id": run_id, "part": label,
                     "written_at": datetime.now(timezone.utc).isoformat(), "files": files,
                     "covers": [m["part"] for m in group]}
