@@ -4,6 +4,9 @@ With `run.replay` (`gyre train --replay RUN`) the rollouts are a stored run's an
 
 Run it with `gyre train --preset quick` (which calls this flow), or from a Prefect deployment.
 Rerunning with the same parameters resumes: finished steps return from their completion markers.
+In Prefect the flow run is named `train-<run id>`; each RL step leaves a table artifact `<run-id>-step-<n>`,
+the run a markdown `<run-id>-summary` and a link `<run-id>-mlflow` to its one MLflow run, whose `policy/`
+artifact (`runs:/<mlflow run id>/policy`) is the final policy as an HF model directory.
 """
 from __future__ import annotations
 
@@ -15,7 +18,20 @@ from gyre_core.config import load_config
 from tasks import rl
 
 
-@flow(name="gyre-train", flow_run_name="train-{preset}", validate_parameters=True)
+def run_name() -> str:
+    """`train-<run id>`, the run id as the config resolves it; `train-<preset>` if the parameters are bad
+    (the flow then fails on them, with the config's message)."""
+    from prefect.runtime import flow_run
+
+    p = flow_run.parameters
+    preset = p.get("preset") or "default"
+    try:
+        return f"train-{load_config(preset, list(p.get('overrides') or [])).run_id()}"
+    except Exception:  # noqa: BLE001 - naming must not be where a bad parameter is reported
+        return f"train-{preset}"
+
+
+@flow(name="gyre-train", flow_run_name=run_name, validate_parameters=True)
 def train(preset: str = "default", overrides: list[str] | None = None, steps: int | None = None) -> dict:
     overrides = list(overrides or []) + ([f"rl.steps={steps}"] if steps is not None else [])
     started_at = time.time()
@@ -38,4 +54,5 @@ def train(preset: str = "default", overrides: list[str] | None = None, steps: in
     if evaluate and cfg.eval.control:
         rl.control(run_dir)
         rl.evaluate(run_dir, "control")
+    rl.export_policy(run_dir)                      # the final policy into MLflow, as an HF directory
     return rl.summarize(run_dir, started_at)

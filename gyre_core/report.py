@@ -1,4 +1,5 @@
-"""The end of a run: the summary (JSON + a terminal table), the reward-curve PNG, MLflow artifacts."""
+"""The end of a run: the summary (JSON + a terminal table), the reward-curve PNG, MLflow artifacts; and
+the plain figures an orchestrator shows for each RL step (`step_row`) and for the run (`summary_markdown`)."""
 from __future__ import annotations
 
 import json
@@ -82,8 +83,12 @@ def summarize(run_dir: str, started_at: float | None = None) -> dict:
     summary["wall_s"] = time.time() - started_at if started_at else summary["work_s"]   # this invocation
     summary["logprob_mismatch_max"] = max((abs(m.get("train/logprob_mismatch", 0.0)) for m in per_step), default=0.0)
     t = tracker(run)
+    exported = run.done("export_policy") or {}
     summary["paths"] = {"run_dir": str(run.path), "lake": run.cfg.lake.root, "checkpoints": str(run.ckpt),
-                        "mlflow_uri": run.cfg.tracking.uri, "mlflow_run_id": t.run_id}
+                        "mlflow_uri": run.cfg.tracking.uri, "mlflow_run_id": t.run_id,
+                        "mlflow_experiment_id": t.experiment_id, "mlflow_url": t.link()["url"],
+                        # the newest policy as an HF directory in MLflow (steps.export_policy), if logged
+                        "policy_uri": exported.get("uri") if exported.get("version") == steps else None}
     out = run.path / "summary.json"
     out.write_text(json.dumps(summary, indent=1))
     png = reward_curve(per_step, before, after, run.path / "reward_curve.png")
@@ -94,6 +99,92 @@ def summarize(run_dir: str, started_at: float | None = None) -> dict:
     t.log_metrics(final, steps)
     t.finish()
     return summary
+
+
+PHASES = ("rollout", "score", "process", "train", "publish")
+
+
+def step_row(run_dir: str, step: int) -> dict:
+    """One RL step's figures, from its markers (rounded to 4 decimals): what the step's Prefect artifact shows.
+
+    `policy_version` is the version the step published (it rolled out version `step`). The phase times
+    are None for the elastic phase, where phases overlap; `step_s` is then the elastic mean step time."""
+    from .steps import tracker
+
+    run = RunDir.open(run_dir)
+    pub = run.done(f"publish_{step + 1:04d}")
+    if pub is None:
+        raise ValueError(f"step_row: step {step} of run {run.run_id} is not published (no publish_{step + 1:04d} marker)")
+    m = pub["metrics"]
+    elastic = "time/elastic_step_s" in m
+    ro = run.done(f"rollout_{step:04d}") or {}
+    phase_s = {k: None if elastic else m.get(f"time/{k}_s", 0.0) for k in PHASES}
+    t = tracker(run)
+
+    def r(x):
+        return round(x, 4) if isinstance(x, float) else x
+
+    row = {"run_id": run.run_id, "step": step, "policy_version": step + 1,
+           "executions": m.get("rollout/executions", ro.get("executions", 0)),
+           "success": m.get("rollout/success", 0.0), "partial": m.get("rollout/partial", 0.0),
+           "reward_mean": m.get("reward/mean", 0.0),
+           "tokens_generated": int(m.get("tokens/generated", 0)), "tokens_trained": int(m.get("tokens/trained", 0)),
+           "executions_collapsed": int(m.get("dedup/collapsed", 0)),
+           **{f"time_{k}_s": v for k, v in phase_s.items()},
+           "step_s": m["time/elastic_step_s"] if elastic else sum(phase_s.values()),
+           "mlflow_run_id": t.run_id, "mlflow_url": t.link()["url"]}
+    return {k: r(v) for k, v in row.items()}
+
+
+def summary_markdown(run_dir: str, summary: dict) -> str:
+    """The run's summary as markdown: held-out success before/after with the paired interval, the
+    supervised-only control, minutes per phase, one line per RL step, and where MLflow has the run."""
+    from .tracking import run_link
+
+    def pct(x):
+        return "—" if x is None else f"{100 * x:.1f}%"
+
+    def dur(x):
+        return f"{x:.0f} s" if x < 90 else f"{x / 60:.1f} min"
+
+    def ci(d):
+        return f"{100 * d['diff']:+.1f} points [95% CI {100 * d['ci95_low']:+.1f}, {100 * d['ci95_high']:+.1f}]"
+
+    s, p = summary, summary["paths"]
+    b, a = s["eval_before"], s["eval_after"]
+    out = [f"# Gyre run `{s['run_id']}` ({s['preset']}): {s['rl_steps']} RL steps", "",
+           "| held-out success | before RL | after RL |", "|---|---:|---:|",
+           f"| sampled ({s['eval_episodes']} seeds, {'paired' if s['eval_paired'] else 'not paired'}) "
+           f"| {pct(b['success'])} | {pct(a['success'])} |",
+           f"| greedy | {pct(s['eval_before_greedy']['success'])} | {pct(s['eval_after_greedy']['success'])} |",
+           f"| uniform-random policy | {pct(s['eval_random']['success'])} | |",
+           f"| expert, same turn limit | {pct(s['expert']['success'])} | |", ""]
+    if "ci95_low" in s:
+        out += [f"**After − before:** {ci(s)}", ""]
+    if "control" in s:
+        c = s["control"]
+        out += [f"**Supervised-only control** ({c['sft_steps']} steps in {dur(c['wall_s'] or 0)}, "
+                f"the RL phase's time): {pct(c['success'])}"
+                + (f"; RL − control: {ci(s['rl_vs_control'])}" if "rl_vs_control" in s else ""), ""]
+    phases = ", ".join(f"{k} {dur(v)}" for k, v in s["phase_s"].items() if v)
+    out += [f"- **time:** {dur(s['work_s'])} of work ({phases}); {dur(s['wall_s'])} wall in this invocation",
+            f"- **tokens:** {s['tokens_generated']:,} generated, {s['tokens_trained']:,} trained; "
+            f"{s['executions_collapsed']} executions collapsed by dedup", ""]
+    rows = [step_row(run_dir, k) for k in range(s["rl_steps"])]
+    if rows:
+        out += ["| step | success | partial | reward | tokens gen / trained | collapsed | step s |",
+                "|---:|---:|---:|---:|---:|---:|---:|"]
+        out += [f"| {r['step']} | {pct(r['success'])} | {r['partial']:.3f} | {r['reward_mean']:.3f} | "
+                f"{r['tokens_generated']:,} / {r['tokens_trained']:,} | {r['executions_collapsed']} | {r['step_s']:.1f} |"
+                for r in rows]
+        out.append("")
+    link = run_link(p["mlflow_uri"], p["mlflow_experiment_id"], p["mlflow_run_id"])
+    out.append(f"- **MLflow:** [run {p['mlflow_run_id']}]({link['url']})"
+               + (f" (serve the UI first: `{link['hint']}`)" if link["hint"] else ""))
+    if p.get("policy_uri"):
+        out.append(f"- **policy:** `{p['policy_uri']}` (an HF model directory; evaluate it by this URI)")
+    out.append(f"- **lake:** `{p['lake']}`; **run dir:** `{p['run_dir']}`")
+    return "\n".join(out) + "\n"
 
 
 def reward_curve(per_step: list[dict], before: dict, after: dict, path: Path) -> Path:
@@ -160,3 +251,5 @@ def render_summary(s: dict) -> None:
     c.print(f"lake: {p['lake']}   (gyre sql \"SELECT * FROM executions LIMIT 5\" --run {s['run_id']})")
     c.print(f"checkpoints: {p['checkpoints']}")
     c.print(f"MLflow run {p['mlflow_run_id']} at {p['mlflow_uri']}   (mlflow ui --backend-store-uri {p['mlflow_uri']})")
+    if p.get("policy_uri"):
+        c.print(f"policy: {p['policy_uri']}")

@@ -779,16 +779,67 @@ def elastic_rl(run_dir: str) -> dict:
 
 
 def tracker(run: RunDir):
+    """The run's one MLflow run (created on first use, reopened by the id in the run directory), with
+    the resolved config as params and the run directory, lake root and preset as tags."""
     from .tracking import Tracker, flatten
 
     def make():
         t = Tracker(run.cfg.tracking.uri, run.cfg.tracking.experiment, run.path, run.run_id)
         t.log_params(flatten(run.cfg.model_dump(mode="json")))
-        t.set_tags({"gyre.run_dir": str(run.path), "gyre.lake_root": run.cfg.lake.root,
+        t.set_tags({"gyre.run_id": run.run_id, "gyre.run_dir": str(run.path), "gyre.lake_root": run.cfg.lake.root,
                     "gyre.preset": run.cfg.preset})
         return t
 
     return run.cached("tracker", make)
+
+
+def tag_run(run_dir: str, tags: dict[str, str], append: dict[str, str] | None = None) -> dict[str, str]:
+    """Tag the run's MLflow run (e.g. with the orchestrator's ids, as plain strings) and mark it running.
+
+    `append` adds each value to a comma-separated list tag instead (every invocation that worked on a
+    resumed run stays findable). Also logs `config.yaml` now, so a run that crashes still has it.
+    Returns the Gyre run id and where the MLflow run is: its id, experiment id, tracking URI, UI `url`
+    and `hint` (see `tracking.run_link`)."""
+    run = RunDir.open(run_dir)
+    t = tracker(run)
+    t.reopen()
+    t.set_tags(tags)
+    for k, v in (append or {}).items():
+        t.append_tag(k, v)
+    t.log_artifact(run.path / "config.yaml")
+    return {"run_id": run.run_id, "mlflow_run_id": t.run_id, "experiment_id": t.experiment_id, "uri": t.uri,
+            **t.link()}
+
+
+POLICY_ARTIFACT = "policy"   # `runs:/<mlflow run id>/policy`: the newest policy as an HF model directory
+
+
+def export_policy(run_dir: str) -> str:
+    """Log the newest published policy version to the MLflow run as an HF model directory under
+    `policy/`, so that `runs:/<mlflow run id>/policy` downloads a directory `model.load_policy` loads.
+    Idempotent per (MLflow run, version); returns that URI."""
+    run = RunDir.open(run_dir)
+    t = tracker(run)
+    v = latest_version(run)
+    if (m := run.done("export_policy")) is not None and m["version"] == v and m["mlflow_run_id"] == t.run_id:
+        return m["uri"]
+    import tempfile
+
+    from .model import _tied_keys, load_policy, save_policy
+    from .trainer.publish import load_weights
+
+    weights = load_weights(run.weights_uri(v))
+    model, tok = load_policy(str(_policy_dir(run)), dtype=next(iter(weights.values())).dtype)
+    missing, unexpected = model.load_state_dict(weights, strict=False)
+    if unexpected or set(missing) - _tied_keys(model):
+        raise CheckpointError(f"published weights {run.weights_uri(v)} do not fit the model in {_policy_dir(run)}: "
+                              f"missing {sorted(set(missing) - _tied_keys(model))[:3]}, unexpected {sorted(unexpected)[:3]}")
+    with tempfile.TemporaryDirectory(prefix="gyre-policy-") as d:
+        save_policy(model, tok, d)
+        uri = t.log_dir(d, POLICY_ARTIFACT)
+    t.set_tags({"gyre.policy_version": str(v), "gyre.policy_uri": uri})
+    return run.mark("export_policy", {"version": v, "uri": uri, "mlflow_run_id": t.run_id,
+                                      "weights": run.weights_uri(v)})["uri"]
 
 
 def _rng_state() -> dict:

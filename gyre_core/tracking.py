@@ -2,7 +2,7 @@
 
 The MLflow run id is kept in the run directory; a resumed run reopens it. Before logging a step's
 metrics we ask MLflow which steps it already holds, so a step logged just before a crash is not
-logged twice.
+logged twice. `run_link` says where a person finds the run in the MLflow UI.
 """
 from __future__ import annotations
 
@@ -18,6 +18,9 @@ def _mlflow(uri: str):
         Path(uri[len("sqlite:///"):]).parent.mkdir(parents=True, exist_ok=True)
     mlflow.set_tracking_uri(uri)
     return mlflow
+
+
+TAG_LIMIT = 5000   # characters MLflow keeps in a tag value (8000 on newer servers; stay under both)
 
 
 class Tracker:
@@ -67,12 +70,53 @@ class Tracker:
     def log_artifact(self, path: Path, subdir: str | None = None) -> None:
         self.client.log_artifact(self.run_id, str(path), subdir)
 
+    def log_dir(self, path: Path | str, artifact_path: str) -> str:
+        """Log a directory's files under `artifact_path`; returns `runs:/<run id>/<artifact_path>`."""
+        self.client.log_artifacts(self.run_id, str(path), artifact_path)
+        return f"runs:/{self.run_id}/{artifact_path}"
+
     def set_tags(self, tags: dict[str, str]) -> None:
         for k, v in tags.items():
             self.client.set_tag(self.run_id, k, v)
 
+    def append_tag(self, key: str, value: str, limit: int = TAG_LIMIT) -> str:
+        """Add `value` to the comma-separated list in tag `key` (once); the oldest entries go first when
+        the list would pass MLflow's tag-length limit. Returns the new list."""
+        items = [x for x in self.client.get_run(self.run_id).data.tags.get(key, "").split(",") if x]
+        if value in items:
+            return ",".join(items)
+        items.append(value)
+        while len(items) > 1 and len(",".join(items)) > limit:
+            items.pop(0)
+        joined = ",".join(items)
+        self.client.set_tag(self.run_id, key, joined)
+        return joined
+
+    @property
+    def experiment_id(self) -> str:
+        if getattr(self, "_experiment_id", None) is None:
+            self._experiment_id = self.client.get_run(self.run_id).info.experiment_id
+        return self._experiment_id
+
+    def link(self) -> dict[str, str]:
+        return run_link(self.uri, self.experiment_id, self.run_id)
+
+    def reopen(self) -> None:
+        """Mark a finished (or failed) run as running again: a resumed Gyre run is working on it."""
+        if self.client.get_run(self.run_id).info.status != "RUNNING":
+            self.client.update_run(self.run_id, status="RUNNING")
+
     def finish(self, status: str = "FINISHED") -> None:
         self.client.set_terminated(self.run_id, status=status)
+
+
+def run_link(uri: str, experiment_id: str, run_id: str) -> dict[str, str]:
+    """Where the MLflow UI shows a run: `url`, and `hint` (the command that serves the UI first, for a
+    tracking URI that is not an MLflow server, e.g. `sqlite:///...`; empty for an http(s) server)."""
+    path = f"#/experiments/{experiment_id}/runs/{run_id}"
+    if uri.startswith(("http://", "https://")):
+        return {"url": f"{uri.rstrip('/')}/{path}", "hint": ""}
+    return {"url": f"http://127.0.0.1:5000/{path}", "hint": f"mlflow ui --backend-store-uri {uri}"}
 
 
 def flatten(d: dict, prefix: str = "") -> dict:

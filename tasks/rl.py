@@ -1,6 +1,7 @@
 """Thin Prefect tasks over `gyre_core.steps`. They pass run-directory paths, never tensors.
 
 Retries are safe: every step is idempotent through its completion marker in the run directory.
+What a Prefect user sees besides the task runs (artifacts, MLflow links) comes from `tasks.artifacts`.
 """
 from __future__ import annotations
 
@@ -8,11 +9,15 @@ from prefect import task
 
 from gyre_core import report, steps
 from gyre_core.config import load_config
+from gyre_core.run import RunDir
+from tasks import artifacts
 
 
 @task(name="prepare", retries=0)
 def prepare(preset: str, overrides: list[str]) -> str:
-    return steps.prepare(load_config(preset, overrides))
+    run_dir = steps.prepare(load_config(preset, overrides))
+    artifacts.link_run(run_dir)        # MLflow run <-> this flow run
+    return run_dir
 
 
 @task(name="warm-start", retries=1)
@@ -47,12 +52,17 @@ def train(run_dir: str, step: int) -> str:
 
 @task(name="publish", task_run_name="publish-{step}", retries=1)
 def publish(run_dir: str, step: int) -> str:
-    return steps.publish(run_dir, step)
+    uri = steps.publish(run_dir, step)
+    artifacts.step_artifact(run_dir, step)
+    return uri
 
 
 @task(name="elastic-rl", retries=1)
 def elastic(run_dir: str) -> dict:
-    return steps.elastic_rl(run_dir)
+    out = steps.elastic_rl(run_dir)
+    for step in range(steps.latest_version(RunDir.open(run_dir))):    # one artifact per step, as the loop
+        artifacts.step_artifact(run_dir, step)
+    return out
 
 
 @task(name="control", retries=1)
@@ -60,6 +70,13 @@ def control(run_dir: str) -> dict:
     return steps.control(run_dir)
 
 
+@task(name="export-policy", retries=1)
+def export_policy(run_dir: str) -> str:
+    return steps.export_policy(run_dir)
+
+
 @task(name="summarize")
 def summarize(run_dir: str, started_at: float) -> dict:
-    return report.summarize(run_dir, started_at)
+    summary = report.summarize(run_dir, started_at)
+    artifacts.summary_artifact(run_dir, summary)
+    return summary

@@ -68,6 +68,100 @@ def test_smoke_flow_leaves_lake_rows_and_mlflow_metrics(clean_run):
     assert {"config.yaml", "summary.json", "reward_curve.png"} <= arts
 
 
+def _flow_runs(overrides):
+    """The flow runs (oldest first) started with these overrides, found by their parameters alone."""
+    from prefect.client.orchestration import get_client
+
+    with get_client(sync_client=True) as c:
+        runs = [f for f in c.read_flow_runs() if (f.parameters or {}).get("overrides") == overrides]
+    return sorted(runs, key=lambda f: f.start_time or f.created)
+
+
+def test_prefect_shows_the_run_by_name_with_an_artifact_per_step_and_a_summary(clean_run):
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import (ArtifactFilter, ArtifactFilterFlowRunId, FlowRunFilter,
+                                                FlowRunFilterId)
+
+    tmp_path, summary = clean_run
+    (fr,) = _flow_runs(_overrides(tmp_path, "flowtest"))
+    assert fr.name == "train-flowtest"                   # the Gyre run id, from the config
+    assert {"gyre-run:flowtest", f"mlflow-run:{summary['paths']['mlflow_run_id']}"} <= set(fr.tags)
+    with get_client(sync_client=True) as c:
+        tasks = c.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[fr.id])))
+        arts = c.read_artifacts(artifact_filter=ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(any_=[fr.id])))
+    names = {t.name for t in tasks}
+    assert {f"{t}-{s}" for t in ("rollout", "score", "process", "train", "publish") for s in (0, 1)} <= names
+    assert {"evaluate-before", "evaluate-after", "evaluate-control"} <= names
+    assert any(n.startswith("export-policy") for n in names)
+    by_key = {a.key: a for a in arts}
+    assert {"flowtest-step-0", "flowtest-step-1", "flowtest-summary", "flowtest-mlflow"} <= set(by_key)
+    # each step's table holds that step's figures as its markers have them
+    run = RunDir.open(tmp_path / "runs" / "flowtest")
+    mlflow_id = summary["paths"]["mlflow_run_id"]
+    exp_id = MlflowClient(tracking_uri=f"sqlite:///{tmp_path}/mlflow.db").get_run(mlflow_id).info.experiment_id
+    for s in (0, 1):
+        art = by_key[f"flowtest-step-{s}"]
+        assert art.type == "table" and art.task_run_id in {t.id for t in tasks if t.name == f"publish-{s}"}
+        row = {r["figure"]: r["value"] for r in json.loads(art.data)}
+        ro, sc, pr, tr = (run.done(f"{k}_{s:04d}") for k in ("rollout", "score", "process", "train"))
+        pub = run.done(f"publish_{s + 1:04d}")
+        expected = {"step": s, "policy_version": s + 1, "executions": ro["executions"], "success": ro["success"],
+                    "partial": ro["partial"], "reward_mean": sc["reward_mean"],
+                    "tokens_generated": ro["tokens_generated"], "tokens_trained": pr["tokens_trained"],
+                    "executions_collapsed": sc["collapsed"], "time_rollout_s": ro["rollout_s"],
+                    "time_score_s": sc["score_s"], "time_process_s": pr["process_s"], "time_train_s": tr["train_s"],
+                    "time_publish_s": pub["metrics"]["time/publish_s"]}
+        for k, v in expected.items():
+            assert row[k] == pytest.approx(v, abs=1e-4), (s, k)
+        assert row["run_id"] == "flowtest" and row["mlflow_run_id"] == mlflow_id
+        assert row["mlflow_url"] == f"http://127.0.0.1:5000/#/experiments/{exp_id}/runs/{mlflow_id}"
+        assert row["mlflow_url"] in art.description
+    md = by_key["flowtest-summary"].data
+    for ev in ("eval_before", "eval_after"):
+        assert f"{100 * summary[ev]['success']:.1f}%" in md
+    assert f"{100 * summary['diff']:+.1f} points [95% CI {100 * summary['ci95_low']:+.1f}" in md
+    assert f"{100 * summary['control']['success']:.1f}%" in md and "RL − control" in md
+    assert f"runs:/{mlflow_id}/policy" in md and f"mlflow ui --backend-store-uri sqlite:///{tmp_path}/mlflow.db" in md
+    assert f"#/experiments/{exp_id}/runs/{mlflow_id}" in by_key["flowtest-mlflow"].data
+
+
+def test_the_mlflow_run_names_its_flow_run_and_holds_the_final_policy(clean_run, tmp_path):
+    import mlflow
+
+    from gyre_core.model import load_policy
+
+    clean_tmp, summary = clean_run
+    (fr,) = _flow_runs(_overrides(clean_tmp, "flowtest"))
+    uri = f"sqlite:///{clean_tmp}/mlflow.db"
+    mlflow_id = summary["paths"]["mlflow_run_id"]
+    run = MlflowClient(tracking_uri=uri).get_run(mlflow_id)
+    tags = run.data.tags
+    assert tags["prefect.flow_run_id"] == tags["prefect.flow_run_ids"] == str(fr.id)
+    assert tags["prefect.flow_run_name"] == fr.name == "train-flowtest"
+    assert tags["prefect.deployment"] == "none"
+    assert tags["gyre.lake_root"] == f"{clean_tmp}/lake" and tags["gyre.run_id"] == "flowtest"
+    assert run.data.params["lake.root"] == f"{clean_tmp}/lake" and run.info.status == "FINISHED"
+    # the final policy: `runs:/<id>/policy` is an HF directory holding the newest published weights
+    assert summary["paths"]["policy_uri"] == f"runs:/{mlflow_id}/policy"
+    assert tags["gyre.policy_version"] == "2"
+    local = mlflow.artifacts.download_artifacts(artifact_uri=summary["paths"]["policy_uri"],
+                                                dst_path=str(tmp_path), tracking_uri=uri)
+    model, tok = load_policy(local)
+    newest = load_weights(str(clean_tmp / "runs" / "flowtest" / "weights" / "v2.safetensors"))
+    state = model.state_dict()
+    assert newest.keys() <= state.keys()
+    for k, v in newest.items():
+        assert torch.equal(state[k], v), k
+    assert len(tok) > 0
+
+
+def test_artifact_keys_are_what_prefect_accepts():
+    from tasks.artifacts import artifact_key
+
+    assert artifact_key("My_Run.v2", "step", 12) == "my-run-v2-step-12"
+    assert artifact_key("smoke-s0", "summary") == "smoke-s0-summary"
+
+
 def test_resume_after_a_failed_task_skips_finished_steps(tmp_path, monkeypatch, clean_run):
     ov = _overrides(tmp_path, "resumetest")
     real_publish = steps.publish
@@ -101,6 +195,12 @@ def test_resume_after_a_failed_task_skips_finished_steps(tmp_path, monkeypatch, 
     client = MlflowClient(tracking_uri=f"sqlite:///{tmp_path}/mlflow.db")
     hist = client.get_metric_history(summary["paths"]["mlflow_run_id"], "reward/mean")
     assert sorted(m.step for m in hist) == [0, 1]
+    # one MLflow run for both flow runs: it names the one that finished it and lists both
+    first, second = _flow_runs(ov)
+    assert first.name == second.name == "train-resumetest"
+    tags = client.get_run(summary["paths"]["mlflow_run_id"]).data.tags
+    assert tags["prefect.flow_run_id"] == str(second.id)
+    assert tags["prefect.flow_run_ids"] == f"{first.id},{second.id}"
     # the resumed run ends with exactly the weights of the run that never crashed (same seeds)
     clean_tmp, _ = clean_run
     crashed = load_weights(str(tmp_path / "runs" / "resumetest" / "weights" / "v2.safetensors"))
