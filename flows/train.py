@@ -25,6 +25,8 @@ def run_name() -> str:
 
     p = flow_run.parameters
     preset = p.get("preset") or "default"
+    if p.get("resume_from"):
+        return f"train-{p['resume_from']}"
     try:
         return f"train-{load_config(preset, list(p.get('overrides') or [])).run_id()}"
     except Exception:  # noqa: BLE001 - naming must not be where a bad parameter is reported
@@ -32,8 +34,19 @@ def run_name() -> str:
 
 
 @flow(name="gyre-train", flow_run_name=run_name, validate_parameters=True)
-def train(preset: str = "default", overrides: list[str] | None = None, steps: int | None = None) -> dict:
+def train(preset: str = "default", overrides: list[str] | None = None, steps: int | None = None,
+          resume_from: str | None = None) -> dict:
+    """Train an agent with online RL and report the paired held-out evaluation.
+
+    Args:
+        preset: a config preset: smoke, quick, default or long (`gyre presets`).
+        overrides: dotted config overrides, e.g. ["rl.lr=1e-4", "rollout.group_size=8"].
+        steps: number of RL steps (rl.steps); unset keeps the preset's.
+        resume_from: the run id of an earlier run with the same config to continue (its finished
+            steps are not redone); unset derives the run id from the preset and seed.
+    """
     overrides = list(overrides or []) + ([f"rl.steps={steps}"] if steps is not None else [])
+    overrides += [f"run.name={resume_from}"] if resume_from else []
     started_at = time.time()
     cfg = load_config(preset, overrides)          # a bad parameter fails here, before any work
     run_dir = rl.prepare(preset, overrides)

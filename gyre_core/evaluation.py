@@ -60,3 +60,23 @@ def paired(before: EvalResult, after: EvalResult) -> PairedDiff:
     if before.seeds != after.seeds:
         raise ValueError("before and after were evaluated on different seeds; a paired difference needs the same")
     return paired_difference([float(x) for x in before.successes], [float(x) for x in after.successes])
+
+
+@dataclass(slots=True)
+class Proportion:
+    k: int
+    n: int
+    rate: float
+    ci95_low: float
+    ci95_high: float
+
+
+def success_interval(k: int, n: int) -> Proportion:
+    """k successes in n episodes with the 95% Wilson score interval (unlike p̂ ± 1.96·√(p̂(1−p̂)/n) it
+    stays inside [0, 1] and is not empty at 0 or n successes)."""
+    if n <= 0 or not 0 <= k <= n:
+        raise ValueError(f"success_interval: need 0 ≤ k ≤ n and n > 0, got k={k}, n={n}")
+    p, z2 = k / n, Z95 * Z95
+    centre = (p + z2 / (2 * n)) / (1 + z2 / n)
+    half = Z95 / (1 + z2 / n) * math.sqrt(p * (1 - p) / n + z2 / (4 * n * n))
+    return Proportion(k, n, p, max(0.0, centre - half), min(1.0, centre + half))

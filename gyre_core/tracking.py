@@ -35,8 +35,11 @@ class Tracker:
             self.run_id = id_file.read_text().strip()
         else:
             exp = self.client.get_experiment_by_name(experiment)
+            # a local store keeps artifacts beside the runs; a tracking server keeps them where it is told
+            # to (`mlflow server --artifacts-destination`), so every host sees them
+            local = (run_dir.parent.parent / "mlflow" / "artifacts").resolve().as_uri()
             exp_id = exp.experiment_id if exp else self.client.create_experiment(
-                experiment, artifact_location=(run_dir.parent.parent / "mlflow" / "artifacts").resolve().as_uri())
+                experiment, artifact_location=None if uri.startswith(("http://", "https://")) else local)
             self.run_id = self.client.create_run(exp_id, run_name=run_name).info.run_id
             id_file.write_text(self.run_id)
 

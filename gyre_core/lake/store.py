@@ -24,6 +24,8 @@ Also here, each a method of `Lake`:
     below the run's newest step) into one file per table in a `compacted-<id>` part; its manifest is the
     commit, after which the covered parts keep their manifests (the completion markers) with
     `compacted_into` and no files of their own. Query results do not change.
+  * retention: `usage(run)` says what a run holds and when it last committed or wrote; `delete_run(run)`
+    removes its manifests (readers stop seeing it), then its files; nothing goes to quarantine.
 """
 from __future__ import annotations
 
@@ -449,6 +451,12 @@ class Lake:
                     out.append({"run_id": m["run_id"], "part": m["part"], "table": table, **q})
         return out
 
+    def problems(self, run_id: str | None = None) -> list[dict[str, Any]]:
+        """What `check` would quarantine now, moving nothing (a dry run)."""
+        return [{"run_id": e["run_id"], "part": e["part"], "table": table, "file": self.relpath(e["path"]),
+                 "reason": why} for table in SCHEMAS for e in self.entries(table, run_id, verify=False)
+                if (why := self._file_problem(e)) is not None]
+
     # ---- crash leftovers ---------------------------------------------------------------------
     def cleanup(self, run_id: str) -> dict[str, int]:
         """Remove what a crashed writer of this run left behind; finish an interrupted compaction.
@@ -479,13 +487,9 @@ class Lake:
         if not self._writable:
             self.check_writable()
         self.cleanup(run_id)
-        ms = [m for m in self.manifests(run_id) if not m.get("compacted_into") and not m.get("covers")]
-        steps = {m["part"]: int(_STEP_PART.match(m["part"]).group(2)) for m in ms if _STEP_PART.match(m["part"])}
+        steps, todo = self._finished_steps(run_id, include_latest)
         if not steps:
             return {"run_id": run_id, "compactions": [], "parts": 0, "files_before": 0, "files_after": 0}
-        newest = max(steps.values())
-        todo = sorted((m for m in ms if m["part"] in steps and (include_latest or steps[m["part"]] < newest)
-                       and m["files"]), key=lambda m: (steps[m["part"]], m["part"]))
         groups, size = [[]], 0
         for m in todo:                      # consecutive parts, up to target_mb of files per compaction
             b = sum(e["bytes"] for e in m["files"].values())
@@ -534,6 +538,20 @@ class Lake:
                 "files_before": files_before,
                 "files_after": files_after}
 
+    def _finished_steps(self, run_id: str, include_latest: bool) -> tuple[dict[str, int], list[dict[str, Any]]]:
+        """(the step of each uncompacted step part, the manifests of those `compact` takes, in step order)."""
+        ms = [m for m in self.manifests(run_id) if not m.get("compacted_into") and not m.get("covers")]
+        steps = {m["part"]: int(_STEP_PART.match(m["part"]).group(2)) for m in ms if _STEP_PART.match(m["part"])}
+        newest = max(steps.values(), default=0)
+        todo = sorted((m for m in ms if m["part"] in steps and (include_latest or steps[m["part"]] < newest)
+                       and m["files"]), key=lambda m: (steps[m["part"]], m["part"]))
+        return steps, todo
+
+    def compactable(self, run_id: str, include_latest: bool = False) -> list[str]:
+        """The parts `compact` would merge now (a dry run; a part whose rows carry another step is skipped
+        only when merging)."""
+        return [m["part"] for m in self._finished_steps(run_id, include_latest)[1]]
+
     def _retire_covered(self, run_id: str, label: str, body: dict[str, Any]) -> int:
         """After a compaction's commit: its parts keep their manifests (completion markers) without files."""
         done = 0
@@ -548,6 +566,65 @@ class Lake:
             self._remove_strays(d, {MANIFEST}, set(m.get("payloads", [])))   # offloaded prompts stay put
             done += 1
         return done
+
+    # ---- retention -----------------------------------------------------------------------------
+    def _run_files(self, run_id: str) -> dict[str, dict[str, Any]]:
+        self.fs.invalidate_cache()
+        try:
+            found = self.fs.find(f"{self.path}/runs/{_check_name('run id', run_id)}", detail=True)
+        except FileNotFoundError:
+            return {}
+        return {p: info for p, info in found.items() if info.get("type") == "file"}
+
+    def usage(self, run_id: str) -> dict[str, Any]:
+        """What a run holds and when it last wrote: its committed `parts`, every file under its directory
+        (`files`, `bytes`), `newest_commit` (the latest `written_at` of a part that is not a compaction:
+        compacting adds no data) and `newest_uncommitted` (the latest change to a file of a part without
+        a manifest: a writer may be at work), both POSIX seconds or None."""
+        files = self._run_files(run_id)
+        base = f"{self.path}/runs/{run_id}/"
+        committed = {p[len(base):].split("/", 1)[0] for p in files if p.endswith(f"/{MANIFEST}")}
+        commits = [_posix(m.get("written_at")) for m in self.manifests(run_id)
+                   if not m["part"].startswith(COMPACTED)]
+        loose = [_mtime(info) for p, info in files.items() if p[len(base):].split("/", 1)[0] not in committed]
+        return {"run_id": run_id, "parts": len(committed), "files": len(files),
+                "bytes": sum(int(info.get("size") or 0) for info in files.values()),
+                "newest_commit": max((t for t in commits if t is not None), default=None),
+                "newest_uncommitted": max((t for t in loose if t is not None), default=None)}
+
+    def delete_run(self, run_id: str) -> dict[str, Any]:
+        """Delete a run from the lake: every manifest first (readers stop seeing the run at once), then its
+        files. Nothing goes to quarantine. Returns what was removed ({run_id, parts, files, bytes}); a crash
+        in between leaves unlisted files that a second call (or `cleanup`) removes."""
+        files = self._run_files(run_id)
+        manifests = sorted(p for p in files if p.endswith(f"/{MANIFEST}"))
+        report = {"run_id": run_id, "parts": len(manifests), "files": len(files),
+                  "bytes": sum(int(info.get("size") or 0) for info in files.values())}
+        if not files:
+            return report
+        if not self._writable:
+            self.check_writable()
+        if manifests:
+            self.fs.rm(manifests)
+        self.fs.rm(f"{self.path}/runs/{run_id}", recursive=True)
+        self.fs.invalidate_cache()
+        return report
+
+
+def _posix(iso: Any) -> float | None:
+    try:
+        t = datetime.fromisoformat(str(iso))
+    except ValueError:
+        return None
+    return (t if t.tzinfo else t.replace(tzinfo=timezone.utc)).timestamp()
+
+
+def _mtime(info: dict[str, Any]) -> float | None:
+    """A file's modification time from an fsspec listing (local: `mtime`; S3: `LastModified`)."""
+    t = info.get("mtime", info.get("LastModified", info.get("last_modified")))
+    if isinstance(t, datetime):
+        return t.timestamp()
+    return float(t) if isinstance(t, (int, float)) else None
 
 
 def _check_table(name: str, table: pa.Table) -> None:

@@ -22,3 +22,20 @@ def test_paired_refuses_different_seeds():
     with pytest.raises(ValueError, match="different seeds"):
         paired(a, b)
     assert a.success == 0.5 and a.partial == pytest.approx(0.6) and a.mean_turns == 6
+
+
+def test_success_interval_is_wilsons():
+    from gyre_core.evaluation import success_interval
+
+    z2 = 1.959963984540054 ** 2
+    half = success_interval(8, 16)            # p̂ = 1/2: centred, half-width z/(1+z²/n)·√(1/64 + z²/1024)
+    assert half.rate == 0.5 and half.ci95_low + half.ci95_high == pytest.approx(1.0)
+    assert half.ci95_high - 0.5 == pytest.approx(1.959963984540054 / (1 + z2 / 16) * math.sqrt(1 / 64 + z2 / 1024))
+    assert (round(half.ci95_low, 4), round(half.ci95_high, 4)) == (0.28, 0.72)          # textbook table value
+    none, every = success_interval(0, 16), success_interval(16, 16)
+    assert none.ci95_low == 0.0 and none.ci95_high == pytest.approx(z2 / (16 + z2))     # not empty at 0/n
+    assert every.ci95_high == 1.0 and every.ci95_low == pytest.approx(16 / (16 + z2))
+    one = success_interval(1, 10)
+    assert (round(one.ci95_low, 4), round(one.ci95_high, 4)) == (0.0179, 0.4042)
+    with pytest.raises(ValueError):
+        success_interval(3, 2)

@@ -382,3 +382,99 @@ def test_sql_sums_are_exact_on_files_of_many_row_groups(tmp_path):
     want = "step,a,b\n" + "".join(f"{s},{a},{b}\n" for s, (a, b) in expect.items())
     for _ in range(5):
         assert run_sql(str(tmp_path / "lake"), q, fmt="csv") == want
+
+
+# ---- retention: deleting whole runs ---------------------------------------------------------------------
+def _age(lake: Lake, run: str, days: float) -> None:
+    """Make every commit of a run `days` old (as if written then)."""
+    from datetime import datetime, timedelta, timezone
+
+    when = (datetime.now(timezone.utc) - timedelta(days=days)).isoformat()
+    for part in lake.parts(run):
+        path = f"{lake.part_dir(run, part)}/{MANIFEST}"
+        body = json.loads(lake.fs.cat_file(path))
+        lake.fs.pipe(path, json.dumps({**body, "written_at": when}).encode())
+
+
+def test_delete_run_uncommits_first_then_removes_every_file(where, monkeypatch):
+    lake = _lake(where, payload_bytes=12)                  # offloaded payloads too
+    _rl_run(lake, "run1", 3)
+    _rl_run(lake, "run2", 2)
+    lake.compact("run1")                                   # a compaction part and covered parts
+    lake.fs.makedirs(lake.part_dir("run1", "step=9"), exist_ok=True)
+    lake.fs.pipe(f"{lake.part_dir('run1', 'step=9')}/executions.parquet", b"an uncommitted part")
+    others = _sql(where, "SELECT run_id, step, execution_id, reward FROM executions WHERE run_id = 'run2' ORDER BY ALL")
+    run_dir = f"{lake.path}/runs/run1"
+    n_bytes = lake.fs.du(run_dir)                          # what the filesystem itself says
+    n_files = len(lake.fs.find(run_dir))
+    committed = lake.parts("run1")
+    assert len(committed) == 8                             # 3 × (step, score) + eval-before + compaction
+    seen = []
+    real_rm = lake.fs.rm
+
+    def rm(path, *a, **kw):                                # what a reader sees after each removal
+        real_rm(path, *a, **kw)
+        seen.append((path, lake.runs(), lake.read("executions", "run1").num_rows,
+                     lake.fs.exists(f"{lake.part_dir('run1', 'eval-before')}/executions.parquet")))
+
+    monkeypatch.setattr(lake.fs, "rm", rm)
+    report = lake.delete_run("run1")
+    assert report == {"run_id": "run1", "parts": 8, "files": n_files, "bytes": n_bytes}
+    first_path, runs_then, rows_then, files_still_there = seen[0]
+    assert sorted(first_path) == sorted(f"{lake.part_dir('run1', p)}/{MANIFEST}" for p in committed)
+    assert runs_then == ["run2"] and rows_then == 0 and files_still_there   # gone for readers, files not yet
+    assert not lake.fs.exists(run_dir) and lake.runs() == ["run2"]
+    assert _sql(where, "SELECT run_id, step, execution_id, reward FROM executions ORDER BY ALL") == others
+    assert lake.delete_run("run1") == {"run_id": "run1", "parts": 0, "files": 0, "bytes": 0}
+
+
+def test_retention_deletes_only_old_runs(tmp_path):
+    import os
+    import time
+
+    from gyre_core.lake.maintenance import compact_run, retain
+
+    lake = Lake(str(tmp_path / "lake"))
+    for run, days in (("old", 10), ("kept", 10), ("young", 2), ("fresh", 0.5 / 24), ("inflight", 10)):
+        _rl_run(lake, run, 2)
+        _age(lake, run, days)
+    d = lake.part_dir("inflight", "step=2")                # a writer at work: files, no manifest yet
+    lake.fs.makedirs(d, exist_ok=True)
+    lake.fs.pipe(f"{d}/executions.parquet", b"being written")
+    files = {p: os.path.getsize(p) for p in map(str, tmp_path.rglob("*")) if os.path.isfile(p)}
+    old_bytes = sum(s for p, s in files.items() if "/runs/old/" in p)
+
+    plan = {r["run_id"]: r for r in retain(lake, 5, keep=["kept"], dry_run=True)}
+    assert {r: plan[r]["action"] for r in plan} == {"old": "would delete", "kept": "keep", "young": "keep",
+                                                    "fresh": "keep", "inflight": "keep"}
+    assert plan["old"]["bytes"] == old_bytes and plan["old"]["age_days"] == pytest.approx(10, abs=1e-3)
+    assert plan["kept"]["reason"] == "in keep_runs" and plan["young"]["reason"] == "newest commit 2.00 d old"
+    assert plan["inflight"]["reason"].startswith("wrote a part in the last hour")
+    assert {p: os.path.getsize(p) for p in map(str, tmp_path.rglob("*")) if os.path.isfile(p)} == files
+
+    # a retention shorter than an hour still spares a run that committed 30 minutes ago
+    (fresh,) = retain(lake, 0.01, runs=["fresh"])
+    assert fresh["action"] == "keep" and fresh["reason"].startswith("wrote a part in the last hour")
+    assert compact_run(lake, "inflight") == {"run_id": "inflight", "skipped": "a part is being written", "parts": 0}
+
+    done = {r["run_id"]: r for r in retain(lake, 5, keep=["kept"], now=time.time())}
+    assert [r for r in done if done[r]["action"] == "deleted"] == ["old"] and done["old"]["bytes"] == old_bytes
+    assert sorted(lake.runs()) == ["fresh", "inflight", "kept", "young"]
+    assert not (tmp_path / "lake" / "runs" / "old").exists() and not (tmp_path / "lake" / "_quarantine").exists()
+
+
+def test_lake_retain_command(tmp_path, capsys):
+    from gyre_core.cli import main
+
+    root = str(tmp_path / "lake")
+    lake = Lake(root)
+    for run, days in (("old", 40), ("kept", 40), ("young", 3)):
+        _rl_run(lake, run, 1)
+        _age(lake, run, days)
+    assert main(["lake", "retain", "--lake", root, "--days", "30", "--keep", "kept", "--dry-run", "--json"]) == 0
+    rows = {r["run_id"]: r["action"] for r in json.loads(capsys.readouterr().out)}
+    assert rows == {"old": "would delete", "kept": "keep", "young": "keep"} and len(lake.runs()) == 3
+    assert main(["lake", "retain", "--lake", root, "--days", "30", "--keep", "kept"]) == 0
+    assert "deleted 1 run(s)" in capsys.readouterr().err and lake.runs() == ["kept", "young"]
+    assert main(["lake", "retain", "--lake", root]) == 2
+    assert "retain needs --days" in capsys.readouterr().err
