@@ -3,7 +3,11 @@
     gyre train [--preset quick] [--set rl.lr=1e-4 ...] [--steps N] [--summary-json out.json] [--replay RUN]
     gyre sql "SELECT status, count(*) FROM executions GROUP BY 1" [--run RUN] [--format table|csv|json]
     gyre sql --query step_summary [--run RUN] [--format ...]      (gyre sql --list-queries: the named queries)
+    gyre evaluate CHECKPOINT [--preset P] [--set k=v ...] [--episodes N] [--label L] [--json]
     gyre lake compact|check|cleanup [--run RUN] [--lake ROOT] [--include-latest]
+    gyre lake retain --days D [--keep RUN ...] [--dry-run] [--run RUN] [--lake ROOT]
+    gyre up [--prefect-port 4200] [--mlflow-port 5000] [--devices 0,1 ...]    /    gyre down
+    gyre worker --pool gyre --queue rollout [--queue train] [--devices 0,1] [--name N] [--dry-run]
     gyre bench engine [--json]
     gyre bench processor [--json] [--quick]
     gyre bench elastic [--json] [--quick]
@@ -71,6 +75,43 @@ def cmd_train(args) -> int:
     return 0
 
 
+def cmd_evaluate(args) -> int:
+    """A checkpoint (run directory, HF model directory or MLflow URI) on the preset's held-out seeds."""
+    from .checkpoint_eval import check_label, format_result, is_mlflow_uri, resolve_local
+    from .config import ConfigError, load_config
+    from .run import CheckpointError
+
+    overrides = list(args.set or []) + ([f"eval.episodes={args.episodes}"] if args.episodes is not None else [])
+    try:
+        cfg = load_config(args.preset, overrides)
+        check_label(args.label)
+        from .lake import Lake
+
+        Lake.from_config(cfg.lake).check_writable()
+    except (ConfigError, ValueError) as exc:
+        print(f"gyre evaluate: config error: {exc}", file=sys.stderr)
+        return 2
+    try:
+        if not is_mlflow_uri(args.checkpoint):       # a wrong path fails before Prefect starts
+            resolve_local(args.checkpoint, cfg)
+        if cfg.run.threads:
+            import torch
+
+            torch.set_num_threads(cfg.run.threads)
+        from flows.evaluate import evaluate
+
+        result = evaluate(checkpoint=args.checkpoint, preset=args.preset, overrides=list(args.set or []),
+                          episodes=args.episodes, label=args.label)
+    except ConfigError as exc:
+        print(f"gyre evaluate: config error: {exc}", file=sys.stderr)
+        return 2
+    except CheckpointError as exc:
+        print(f"gyre evaluate: error: {exc}", file=sys.stderr)
+        return 1
+    print(json.dumps(result) if args.json else format_result(result))
+    return 0
+
+
 def cmd_sql(args) -> int:
     from .lake.sql import SqlError, named_queries, named_query, run_sql
 
@@ -119,6 +160,16 @@ def cmd_lake(args) -> int:
         elif args.action == "check":
             out = [q for r in runs for q in lake.check(r)]
             print(f"{len(out)} file(s) quarantined" if out else "every listed file is readable", file=sys.stderr)
+        elif args.action == "retain":
+            from .lake.maintenance import retain
+
+            if args.days is None:
+                raise ValueError("retain needs --days D (delete runs whose newest commit is older than D days)")
+            out = retain(lake, args.days, keep=list(args.keep or []), runs=runs, dry_run=args.dry_run)
+            gone = [r for r in out if r["action"] != "keep"]
+            print(f"{'would delete' if args.dry_run else 'deleted'} {len(gone)} run(s), "
+                  f"{sum(r['bytes'] for r in gone)} bytes: {', '.join(r['run_id'] for r in gone) or 'none'}",
+                  file=sys.stderr)
         else:
             if not args.run:
                 raise ValueError("cleanup needs --run RUN (it must not race a run that is writing)")
@@ -128,6 +179,42 @@ def cmd_lake(args) -> int:
         return 2
     print(json.dumps(out, indent=None if args.json else 1))
     return 0
+
+
+def cmd_up(args) -> int:
+    """A local stack: Prefect server, MLflow server, work pool and queues, deployments, workers."""
+    from pathlib import Path
+
+    from gyre_ops.stack import StackError, StackSpec, up
+
+    spec = StackSpec(prefect_port=args.prefect_port, mlflow_port=args.mlflow_port, cpu_workers=args.cpu_workers,
+                     device_sets=list(args.devices or []), deploy=not args.no_deploy)
+    if args.home:
+        spec.home = Path(args.home)
+    try:
+        state = up(spec, say=lambda m: print(m, file=sys.stderr))
+    except StackError as exc:
+        print(f"gyre up: {exc}", file=sys.stderr)
+        return 2
+    print(f"Prefect UI  {state['ui_url']}   (export PREFECT_API_URL={state['api_url']})")
+    print(f"MLflow UI   {state['mlflow_url']}")
+    print(f"up in {state['start_s']} s; `gyre down` stops it")
+    return 0
+
+
+def cmd_down(args) -> int:
+    from gyre_ops.stack import down
+
+    down(args.home, say=lambda m: print(m, file=sys.stderr))
+    return 0
+
+
+def cmd_worker(args) -> int:
+    """A Prefect worker for one device set; refuses a pool or queue the server does not have (`gyre_ops.worker`)."""
+    from gyre_ops.worker import run_worker
+
+    return run_worker(args.pool, list(args.queue or ["default"]), devices=args.devices, name=args.name,
+                      dry_run=args.dry_run)
 
 
 def cmd_bench(args) -> int:
@@ -224,16 +311,50 @@ def main(argv: list[str] | None = None) -> int:
     q.add_argument("--lake", default=None, help="lake root (default: the preset's lake.root)")
     q.add_argument("--preset", default="default")
     q.set_defaults(fn=cmd_sql)
-    lk = sub.add_parser("lake", help="lake maintenance: compact, check, cleanup")
-    lk.add_argument("action", choices=("compact", "check", "cleanup"))
+    lk = sub.add_parser("lake", help="lake maintenance: compact, check, cleanup, retain")
+    lk.add_argument("action", choices=("compact", "check", "cleanup", "retain"))
     lk.add_argument("--run", default=None, help="one run id (default: every run; cleanup needs one)")
     lk.add_argument("--lake", default=None, help="lake root (default: the preset's lake.root)")
     lk.add_argument("--preset", default="default")
     lk.add_argument("--target-mb", type=float, default=256.0, help="compact: largest merged file")
     lk.add_argument("--include-latest", action="store_true",
                     help="compact: also the newest step of each run (only when the run is over)")
+    lk.add_argument("--days", type=float, default=None,
+                    help="retain: delete runs whose newest commit is older than this many days "
+                         "(never one that wrote in the last hour)")
+    lk.add_argument("--keep", action="append", metavar="RUN", help="retain: never delete this run (repeat)")
+    lk.add_argument("--dry-run", action="store_true", help="retain: say what would be deleted, delete nothing")
     lk.add_argument("--json", action="store_true", help="one line of JSON")
     lk.set_defaults(fn=cmd_lake)
+    ev = sub.add_parser("evaluate", help="a checkpoint on the preset's held-out seeds, under Prefect")
+    ev.add_argument("checkpoint", help="run directory (or run id), HF model directory, or MLflow URI (runs:/ID/policy)")
+    ev.add_argument("--preset", default="default")
+    ev.add_argument("--set", action="append", metavar="KEY=VALUE", help="dotted override, e.g. eval.greedy_episodes=0")
+    ev.add_argument("--episodes", type=int, default=None, help="held-out episodes (eval.episodes)")
+    ev.add_argument("--label", default="checkpoint", help="names the lake run eval-LABEL and the MLflow run")
+    ev.add_argument("--json", action="store_true", help="the result as one line of JSON")
+    ev.set_defaults(fn=cmd_evaluate)
+    u = sub.add_parser("up", help="start a local Prefect + MLflow stack with the deployments and workers")
+    u.add_argument("--prefect-port", type=int, default=4200)
+    u.add_argument("--mlflow-port", type=int, default=5000)
+    u.add_argument("--cpu-workers", type=int, default=1, help="workers for flow runs (queue `default`)")
+    u.add_argument("--devices", action="append", metavar="0,1",
+                   help="a device set for one cell worker (repeat: --devices 0,1 --devices 2,3)")
+    u.add_argument("--home", default=None, help="state, logs and server data (default data/stack)")
+    u.add_argument("--no-deploy", action="store_true", help="skip `prefect deploy --all`")
+    u.set_defaults(fn=cmd_up)
+    dn = sub.add_parser("down", help="stop exactly what `gyre up` started")
+    dn.add_argument("--home", default=None, help="the --home given to `gyre up`")
+    dn.set_defaults(fn=cmd_down)
+    wk = sub.add_parser("worker", help="start a Prefect worker on an existing pool/queue, pinned to a device set")
+    wk.add_argument("--pool", required=True, help="work pool (must exist: see infra/pools.yaml, `gyre up`)")
+    wk.add_argument("--queue", action="append", metavar="QUEUE",
+                    help="work queue to poll (repeatable; must exist; default: default)")
+    wk.add_argument("--devices", default=None, metavar="0,1",
+                    help="CUDA_VISIBLE_DEVICES for the worker and its runs (`none`: hide every GPU)")
+    wk.add_argument("--name", default=None, help="worker name prefix (default: the host name)")
+    wk.add_argument("--dry-run", action="store_true", help="check, print the command, do not start")
+    wk.set_defaults(fn=cmd_worker)
     b = sub.add_parser("bench", help="benchmarks that print figures")
     b.add_argument("what", choices=("engine", "processor", "elastic", "lake"))
     b.add_argument("--json", action="store_true", help="one line of JSON")

@@ -8,6 +8,7 @@ parsed as YAML. Every error is a `ConfigError` whose message is one line naming 
 """
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any, Literal
 
@@ -210,8 +211,9 @@ class LakeConfig(_Section):
 
 
 class TrackingConfig(_Section):
-    uri: str = "sqlite:///data/mlflow/mlflow.db"
-    """MLflow tracking URI (set explicitly; the file store is deprecated)."""
+    uri: str = Field(default_factory=lambda: os.environ.get("MLFLOW_TRACKING_URI") or "sqlite:///data/mlflow/mlflow.db")
+    """MLflow tracking URI: $MLFLOW_TRACKING_URI when set (the workers of `gyre up` point it at its MLflow
+    server), else a local SQLite file (the file store is deprecated)."""
     experiment: str = "gyre"
     """MLflow experiment name."""
 
