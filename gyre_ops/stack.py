@@ -138,7 +138,9 @@ def up(spec: StackSpec, say=print) -> dict:
             raise StackError(f"port {spec.host}:{port} for the {what} server is taken; choose another "
                              f"(--{what.lower()}-port) or stop what listens there")
     home.mkdir(parents=True, exist_ok=True)
-    env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")}
+    # the caller's Prefect settings and torch.distributed rendezvous are its own, not the stack's
+    dist = {"MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK"}
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_") and k not in dist}
     env.update({
         "PREFECT_HOME": str(home / "prefect"), "PREFECT_API_URL": spec.api_url,
         "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "DO_NOT_TRACK": "1",
