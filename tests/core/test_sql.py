@@ -333,7 +333,7 @@ def test_cli_list_queries(capsys):
         assert line.split(None, 1)[1] == about
 
 
-def test_cli_errors_are_one_line(lake_root, capsys):
+def test_cli_errors_are_one_line(lake_root, capsys, tmp_path):
     assert main(["sql", "--query", "nope", "--lake", lake_root]) == 2
     err = capsys.readouterr().err
     assert err.startswith("gyre sql: no named query 'nope'; known: ") and all(q in err for q in QUERIES)
@@ -346,9 +346,9 @@ def test_cli_errors_are_one_line(lake_root, capsys):
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith("gyre sql: Binder Error: Referenced column \"nope\"")
     assert "Candidate bindings" in err and "^" not in err
-    assert main(["sql", "COPY calls TO '/tmp/gyre-never.csv'", "--lake", lake_root]) == 2
+    assert main(["sql", f"COPY calls TO '{tmp_path / 'never.csv'}'", "--lake", lake_root]) == 2
     err = capsys.readouterr().err
-    assert err.count("\n") == 1 and "disabled by configuration" in err
+    assert err.count("\n") == 1 and "disabled by configuration" in err and not (tmp_path / "never.csv").exists()
     assert main(["sql", "SELECT 1", "--run", "../up", "--lake", lake_root]) == 2
     assert capsys.readouterr().err.startswith("gyre sql: invalid run id '../up'")
 
