@@ -486,7 +486,9 @@ class Lake:
         """
         if not self._writable:
             self.check_writable()
-        self.cleanup(run_id)
+        for m in self.manifests(run_id):     # an interrupted compaction first (never a writer's parts:
+            if m["part"].startswith(COMPACTED):   # the run may be in flight)
+                self._retire_covered(run_id, m["part"], m)
         steps, todo = self._finished_steps(run_id, include_latest)
         if not steps:
             return {"run_id": run_id, "compactions": [], "parts": 0, "files_before": 0, "files_after": 0}

@@ -267,21 +267,10 @@ def test_copy_to_is_refused(committed_lake, target):
 
 # ---- the same path on an S3-compatible server on loopback --------------------------------------
 @pytest.fixture
-def s3_options(monkeypatch):
-    from moto.server import ThreadedMotoServer
-
-    for k, v in {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
-                 "AWS_SESSION_TOKEN": "testing", "AWS_DEFAULT_REGION": "us-east-1"}.items():
-        monkeypatch.setenv(k, v)
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-    server.start()
-    host, port = server.get_host_and_port()
-    options = {"anon": False, "client_kwargs": {"endpoint_url": f"http://{host}:{port}"},
-               "skip_instance_cache": True}
+def s3_options(s3_server):
     import s3fs
-    s3fs.S3FileSystem(**options).mkdir("gyre-test")
-    yield options
-    server.stop()
+    s3fs.S3FileSystem(**s3_server).makedirs("gyre-test", exist_ok=True)
+    return s3_server
 
 
 def test_s3_write_read_sql(s3_options):

@@ -22,31 +22,14 @@ from gyre_core.records import SCHEMA_VERSION
 from test_lake import _records, _tables
 
 
-@pytest.fixture(scope="module")
-def s3_server():
-    from moto.server import ThreadedMotoServer
-
-    with pytest.MonkeyPatch.context() as mp:
-        for k, v in {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
-                     "AWS_SESSION_TOKEN": "testing", "AWS_DEFAULT_REGION": "us-east-1"}.items():
-            mp.setenv(k, v)
-        server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-        server.start()
-        host, port = server.get_host_and_port()
-        options = {"anon": False, "client_kwargs": {"endpoint_url": f"http://{host}:{port}"},
-                   "skip_instance_cache": True}
-        import s3fs
-        s3fs.S3FileSystem(**options).mkdir("gyre-store")
-        yield options
-        server.stop()
-
-
 @pytest.fixture(params=["local", "s3"])
 def where(request, tmp_path):
     """(root, storage_options) of an empty lake: a local directory, or a fresh prefix on the S3 server."""
     if request.param == "local":
         return str(tmp_path / "lake"), None
-    options = request.getfixturevalue("s3_server")
+    options = request.getfixturevalue("s3_server")           # tests/conftest.py
+    import s3fs
+    s3fs.S3FileSystem(**options).makedirs("gyre-store", exist_ok=True)
     return f"s3://gyre-store/{request.node.name.replace('[', '-').rstrip(']')}", options
 
 

@@ -284,35 +284,24 @@ def test_replay_trains_on_the_stored_trajectories_without_rollouts(tmp_path, mon
             assert torch.equal(mine[k], theirs[k]), (v, k)
 
 
-def test_a_run_on_an_s3_lake(tmp_path, monkeypatch):
+def test_a_run_on_an_s3_lake(tmp_path, s3_server):
     """`lake.root = s3://...` end to end on a real S3-compatible server on loopback (moto's server mode):
     the run writes, reads (score, process, dedup, the summary) and SQL through s3fs."""
-    from moto.server import ThreadedMotoServer
     import s3fs
 
-    for k, v in {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
-                 "AWS_SESSION_TOKEN": "testing", "AWS_DEFAULT_REGION": "us-east-1"}.items():
-        monkeypatch.setenv(k, v)
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-    server.start()
-    try:
-        host, port = server.get_host_and_port()
-        endpoint = f"http://{host}:{port}"
-        options = {"client_kwargs": {"endpoint_url": endpoint}, "skip_instance_cache": True}
-        s3fs.S3FileSystem(**options).mkdir("gyre-flow")
-        ov = [f"run.out_root={tmp_path}/runs", f"tracking.uri=sqlite:///{tmp_path}/mlflow.db", "run.name=s3run",
-              "lake.root=s3://gyre-flow/lake", f"lake.storage_options={json.dumps(options)}",
-              "eval.control=false", "eval.episodes=8", "eval.greedy_episodes=0"]
-        run_cache.clear()
-        summary = train(preset="smoke", overrides=ov, steps=1)
-        con = connect("s3://gyre-flow/lake", run_id="s3run", storage_options=options)
-        assert _q(con, "SELECT split, count(*) FROM executions GROUP BY 1 ORDER BY 1") == \
-            [("demo", 40), ("eval-random", 8), ("eval-sampled", 16), ("train", 8)]
-        assert _q(con, "SELECT sum(n_trainable) FROM train_tokens")[0][0] == summary["tokens_trained"] > 0
-        # dedup ran over the S3 lake: every execution stands for itself or for its kept twin
-        assert _q(con, "SELECT sum(multiplicity) FROM scores WHERE NOT excluded") == [(8,)]
-        assert _q(con, "SELECT count(*) FROM scores WHERE (multiplicity = 0) != (kept_as != execution_id)") == [(0,)]
-        assert {p for (p,) in _q(con, "SELECT part FROM steps")} >= {"demos", "step=0", "score=0", "process=0"}
-        assert not list((tmp_path).glob("**/*.parquet"))          # nothing of the lake landed on local disk
-    finally:
-        server.stop()
+    options = {k: v for k, v in s3_server.items() if k != "anon"}
+    s3fs.S3FileSystem(**options).makedirs("gyre-flow", exist_ok=True)
+    ov = [f"run.out_root={tmp_path}/runs", f"tracking.uri=sqlite:///{tmp_path}/mlflow.db", "run.name=s3run",
+          "lake.root=s3://gyre-flow/lake", f"lake.storage_options={json.dumps(options)}",
+          "eval.control=false", "eval.episodes=8", "eval.greedy_episodes=0"]
+    run_cache.clear()
+    summary = train(preset="smoke", overrides=ov, steps=1)
+    con = connect("s3://gyre-flow/lake", run_id="s3run", storage_options=options)
+    assert _q(con, "SELECT split, count(*) FROM executions GROUP BY 1 ORDER BY 1") == \
+        [("demo", 40), ("eval-random", 8), ("eval-sampled", 16), ("train", 8)]
+    assert _q(con, "SELECT sum(n_trainable) FROM train_tokens")[0][0] == summary["tokens_trained"] > 0
+    # dedup ran over the S3 lake: every execution stands for itself or for its kept twin
+    assert _q(con, "SELECT sum(multiplicity) FROM scores WHERE NOT excluded") == [(8,)]
+    assert _q(con, "SELECT count(*) FROM scores WHERE (multiplicity = 0) != (kept_as != execution_id)") == [(0,)]
+    assert {p for (p,) in _q(con, "SELECT part FROM steps")} >= {"demos", "step=0", "score=0", "process=0"}
+    assert not list((tmp_path).glob("**/*.parquet"))          # nothing of the lake landed on local disk
