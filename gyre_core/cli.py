@@ -12,6 +12,7 @@
     gyre bench processor [--json] [--quick]
     gyre bench elastic [--json] [--quick]
     gyre bench lake [--json] [--quick]
+    gyre bench prefect [--json] [--quick]
     gyre sim [--profile laptop|paper-122b|paper-2.4t] [--set k=8 ...] [--policy all] [--async-split best] [--json]
     gyre presets
 
@@ -246,6 +247,10 @@ def _run_bench(args):
         from bench.lake import bench_lake
 
         result = bench_lake(quick=args.quick)
+    elif args.what == "prefect":
+        from bench.prefect_overhead import bench_prefect
+
+        result = bench_prefect(quick=args.quick)
     else:
         result = None
     return result
@@ -356,7 +361,7 @@ def main(argv: list[str] | None = None) -> int:
     wk.add_argument("--dry-run", action="store_true", help="check, print the command, do not start")
     wk.set_defaults(fn=cmd_worker)
     b = sub.add_parser("bench", help="benchmarks that print figures")
-    b.add_argument("what", choices=("engine", "processor", "elastic", "lake"))
+    b.add_argument("what", choices=("engine", "processor", "elastic", "lake", "prefect"))
     b.add_argument("--json", action="store_true", help="one line of JSON")
     b.add_argument("--quick", action="store_true", help="fewer repetitions and a smaller workload")
     b.set_defaults(fn=cmd_bench)

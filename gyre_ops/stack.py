@@ -2,6 +2,7 @@
 127.0.0.1, the work pool and its queues, every deployment of prefect.yaml, and the workers.
 
     gyre up                      # prints the Prefect UI and MLflow URLs
+    gyre up                      # again, after a worker or server died: restarts exactly those
     gyre down                    # stops exactly what `gyre up` started (and what those started)
 
 State lives in `<home>/stack.json` (default home `data/stack/`): the pid of every process started, the
@@ -131,22 +132,18 @@ def up(spec: StackSpec, say=print) -> dict:
     """Start the stack; returns its state (also written to `<home>/stack.json`)."""
     home = Path(spec.home).resolve()
     state = read_state(home)
-    if state and any(_alive(p["pid"]) for p in state["processes"].values()):
-        raise StackError(f"a stack is already up (state in {_state_file(home)}); run `gyre down` first")
+    if state:
+        dead = [name for name, p in state["processes"].items() if not _alive(p["pid"])]
+        if not dead:
+            raise StackError(f"a stack is already up (state in {_state_file(home)}); run `gyre down` first")
+        if len(dead) < len(state["processes"]):
+            return _revive(home, state, dead, say)
     for what, port in (("Prefect", spec.prefect_port), ("MLflow", spec.mlflow_port)):
         if not _port_free(spec.host, port):
             raise StackError(f"port {spec.host}:{port} for the {what} server is taken; choose another "
                              f"(--{what.lower()}-port) or stop what listens there")
     home.mkdir(parents=True, exist_ok=True)
-    # the caller's Prefect settings and torch.distributed rendezvous are its own, not the stack's
-    dist = {"MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK"}
-    env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_") and k not in dist}
-    env.update({
-        "PREFECT_HOME": str(home / "prefect"), "PREFECT_API_URL": spec.api_url,
-        "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "DO_NOT_TRACK": "1",
-        "PREFECT_FLOWS_HEARTBEAT_FREQUENCY": str(HEARTBEAT_S),
-        "MLFLOW_TRACKING_URI": spec.mlflow_url, "GYRE_HOME": str(ROOT),
-    })
+    env = _stack_env(spec, home)
     launch = _Launcher(home, env)
     started = time.time()
     try:
@@ -184,6 +181,39 @@ def up(spec: StackSpec, say=print) -> dict:
     state = {"spec": {k: str(v) if isinstance(v, Path) else v for k, v in asdict(spec).items()},
              "processes": launch.procs, "api_url": spec.api_url, "ui_url": spec.api_url[: -len("/api")],
              "mlflow_url": spec.mlflow_url, "started_at": started, "start_s": round(time.time() - started, 1)}
+    _state_file(home).write_text(json.dumps(state, indent=1))
+    return state
+
+
+def _stack_env(spec: StackSpec, home: Path) -> dict[str, str]:
+    """The environment of every process of the stack. The caller's Prefect settings and torch.distributed
+    rendezvous are its own, not the stack's."""
+    dist = {"MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK"}
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_") and k not in dist}
+    env.update({
+        "PREFECT_HOME": str(home / "prefect"), "PREFECT_API_URL": spec.api_url,
+        "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "DO_NOT_TRACK": "1",
+        "PREFECT_FLOWS_HEARTBEAT_FREQUENCY": str(HEARTBEAT_S),
+        "MLFLOW_TRACKING_URI": spec.mlflow_url, "GYRE_HOME": str(ROOT),
+    })
+    return env
+
+
+def _revive(home: Path, state: dict, dead: list[str], say) -> dict:
+    """Restart the processes of a running stack that died (a killed worker, a crashed server) with the
+    commands they were started with; the rest keep running. Returns the updated state."""
+    fields = {**state["spec"], "home": Path(state["spec"]["home"])}
+    spec = StackSpec(**fields)
+    launch = _Launcher(home, _stack_env(spec, home))
+    for name in dead:
+        say(f"restarting {name} (pid {state['processes'][name]['pid']} is gone) ...")
+        proc = launch.start(name, state["processes"][name]["cmd"])
+        if name == "prefect-server":
+            _wait_http(f"{spec.api_url}/health", 120, proc, "the Prefect server", home / "logs" / f"{name}.log")
+        elif name == "mlflow-server":
+            _wait_http(f"{spec.mlflow_url}/health", 120, proc, "the MLflow server", home / "logs" / f"{name}.log")
+    state["processes"].update(launch.procs)
+    state["revived"] = state.get("revived", []) + [{"at": time.time(), "processes": dead}]
     _state_file(home).write_text(json.dumps(state, indent=1))
     return state
 
