@@ -59,7 +59,10 @@ def _plain(preset: str, overrides: list[str]) -> dict:
     from gyre_core import report, steps
     from gyre_core.config import load_config
 
+    from gyre_core.run import RunDir
+
     run_dir = steps.prepare(load_config(preset, overrides))
+    steps.tracker(RunDir.open(run_dir))      # the MLflow run, opened up front as the flow's prepare task does
     t0 = time.time()
     steps.warm_start(run_dir)
     warm_s = time.time() - t0

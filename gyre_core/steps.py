@@ -713,8 +713,10 @@ def step_metrics(run: RunDir, step: int) -> dict[str, float]:
 # the RL phase on cell agents (elastic.enabled): the same steps, streamed across K cells
 
 
-def elastic_rl(run_dir: str) -> dict:
+def elastic_rl(run_dir: str, on_role=None) -> dict:
     """All RL steps at once on `elastic.cells` cell agents under `elastic.policy` (see `gyre_core.elastic`).
+    `on_role(cell, role, reason)` hears each cell's starting role and every finished switch (the Prefect
+    task passes `gyre_ops.cells.RoleRecorder`, which records them as queue moves).
 
     Rollout, scoring and training overlap here, so there are no per-phase markers: the cells publish
     every version into the run's weights, and when the run ends each version gets its `publish_` marker,
@@ -736,7 +738,7 @@ def elastic_rl(run_dir: str) -> dict:
     work = HarnessWork(run_dir, cfg.rl.steps)
     with phase(f"elastic RL: {cfg.rl.steps} steps on {cfg.elastic.cells} {cfg.elastic.mode} cells "
                f"({cfg.elastic.policy})", cfg.rl.steps) as tick:
-        res = run_elastic(cfg.elastic, work, on_version=lambda v: tick())
+        res = run_elastic(cfg.elastic, work, on_version=lambda v: tick(), on_role=on_role)
     by_step: dict[int, list] = {}
     for r in work.records:
         by_step.setdefault(r.step, []).append(r)

@@ -23,11 +23,17 @@ What Prefect shows:
 
 Names: a cell is an int or a lowercase name of letters, digits, `-` and `_`. Moves are read-modify-write
 of the limits: one controller moves cells at a time (the elastic controller is one process).
-The controller is not wired to call `move_cell` yet; it is the function to call on each role switch.
+An elastic run records its cells through `RoleRecorder` (the `elastic-rl` task passes one to the
+controller): each cell is placed when its agent comes up, moved on every finished role switch with the
+controller's decision as the reason, and moved back to where it started when the run ends, so the queue
+limits are the spec's again between runs.
 """
 from __future__ import annotations
 
+import queue as _queue_mod
 import re
+import sys
+import threading
 from dataclasses import asdict, dataclass, field
 from datetime import datetime, timezone
 from typing import Any
@@ -206,3 +212,68 @@ def retag_history(client: Any, cell: int | str, limit: int = 500) -> list[dict]:
                 break
             page = c.read_events_page(page.next_page)
     return out[:limit]
+
+
+class RoleRecorder:
+    """`on_role(cell, role, reason)` for the elastic controller: records each cell's roles in Prefect as
+    `place_cell` / `move_cell` (queue `rollout` or `train` of `pool`), off the controller's thread so a
+    role switch never waits on the server. Cells are named `<prefix>-c<i>`.
+
+    When the pool or its queues are missing (the embedded default runs on a temporary server with no
+    pool), or the server cannot be reached, it records nothing and says so once on stderr: the run itself
+    never depends on it. `close()` moves every cell back to its starting queue and waits for the writes."""
+
+    def __init__(self, prefix: str, *, pool: str = "gyre", client: Any = None, say=None):
+        from .pools import ApiUnreachable, check_pool
+
+        self.prefix = re.sub(r"[^a-z0-9_-]+", "-", prefix.lower()).strip("-_") or "cell"
+        self.pool, self.client = pool, client
+        self.say = say or (lambda m: print(m, file=sys.stderr))
+        self.recorded: list[Retag] = []
+        self.errors: list[str] = []
+        self.start_queue: dict[str, str] = {}
+        try:
+            self.disabled = check_pool(client, pool, ("rollout", "train"))
+        except ApiUnreachable as exc:
+            self.disabled = str(exc)
+        if self.disabled:
+            self.say(f"gyre: cell roles are not recorded in Prefect: {self.disabled}")
+            return
+        self._q: _queue_mod.Queue = _queue_mod.Queue()
+        self._thread = threading.Thread(target=self._drain, name="gyre-role-recorder", daemon=True)
+        self._thread.start()
+
+    def name(self, cell: int) -> str:
+        return cell_name(f"{self.prefix}-c{cell}")
+
+    def __call__(self, cell: int, role: str, reason: dict) -> None:
+        if not self.disabled:
+            self._q.put((self.name(cell), role, dict(reason)))
+
+    def _drain(self) -> None:
+        while True:
+            item = self._q.get()
+            if item is None:          # the run ended: every cell back to where it started
+                for name, start in self.start_queue.items():
+                    self._record(name, start, {"run_ended": True})
+                return
+            self._record(*item)
+
+    def _record(self, name: str, role: str, reason: dict) -> None:
+        try:
+            if reason.get("placed"):
+                self.start_queue[name] = role
+                self.recorded.append(place_cell(self.client, name, role, pool=self.pool))
+            elif (r := move_cell(self.client, name, role, pool=self.pool, reason=reason)) is not None:
+                self.recorded.append(r)
+        except Exception as exc:  # noqa: BLE001 - a record that failed must not stop the run
+            self.errors.append(f"{name} -> {role}: {type(exc).__name__}: {exc}")
+            if len(self.errors) == 1:
+                self.say(f"gyre: recording a cell role in Prefect failed ({self.errors[0]}); the run goes on")
+
+    def close(self, timeout_s: float = 60.0) -> list[Retag]:
+        """Every cell back to its starting queue (reason {"run_ended": True}), then wait for the writes."""
+        if not self.disabled:
+            self._q.put(None)
+            self._thread.join(timeout_s)
+        return self.recorded

@@ -13,14 +13,14 @@ from gyre_core.run import RunDir
 from tasks import artifacts
 
 
-@task(name="prepare", retries=0)
+@task(name="prepare", task_run_name="prepare", retries=0)
 def prepare(preset: str, overrides: list[str]) -> str:
     run_dir = steps.prepare(load_config(preset, overrides))
     artifacts.link_run(run_dir)        # MLflow run <-> this flow run
     return run_dir
 
 
-@task(name="warm-start", retries=1)
+@task(name="warm-start", task_run_name="warm-start", retries=1)
 def warm_start(run_dir: str) -> str:
     return steps.warm_start(run_dir)
 
@@ -57,25 +57,31 @@ def publish(run_dir: str, step: int) -> str:
     return uri
 
 
-@task(name="elastic-rl", retries=1)
+@task(name="elastic-rl", task_run_name="elastic-rl", retries=1)
 def elastic(run_dir: str) -> dict:
-    out = steps.elastic_rl(run_dir)
+    from gyre_ops.cells import RoleRecorder
+
+    roles = RoleRecorder(RunDir.open(run_dir).run_id)   # cell roles as queue moves in the pool, if it exists
+    try:
+        out = steps.elastic_rl(run_dir, on_role=roles)
+    finally:
+        roles.close()
     for step in range(steps.latest_version(RunDir.open(run_dir))):    # one artifact per step, as the loop
         artifacts.step_artifact(run_dir, step)
     return out
 
 
-@task(name="control", retries=1)
+@task(name="control", task_run_name="control", retries=1)
 def control(run_dir: str) -> dict:
     return steps.control(run_dir)
 
 
-@task(name="export-policy", retries=1)
+@task(name="export-policy", task_run_name="export-policy", retries=1)
 def export_policy(run_dir: str) -> str:
     return steps.export_policy(run_dir)
 
 
-@task(name="summarize")
+@task(name="summarize", task_run_name="summarize")
 def summarize(run_dir: str, started_at: float) -> dict:
     summary = report.summarize(run_dir, started_at)
     artifacts.summary_artifact(run_dir, summary)

@@ -106,10 +106,13 @@ class ElasticResult:
 
 class Coordinator:
     def __init__(self, ecfg: ElasticConfig, work, *, kill_cell_at: tuple[int, float] | None = None,
-                 policy=None, on_version=None):
+                 policy=None, on_version=None, on_role=None):
         """`work`: an `EmulatedWork` or a `HarnessWork` (or a `Workload`, emulated); `on_version(v)` is
-        called as each version is published (progress)."""
+        called as each version is published (progress); `on_role(cell, role, reason)` once per cell with its
+        starting role (reason {"placed": True}) and after every finished switch (reason: the controller's
+        decision), from the main loop: it must not block (`gyre_ops.cells.RoleRecorder` queues to Prefect)."""
         self.on_version = on_version
+        self.on_role = on_role
         self.cfg = ecfg
         self.work = EmulatedWork(work) if isinstance(work, Workload) else work
         self.policy = policy or make_policy(ecfg.policy, ecfg.async_train_cells)
@@ -258,6 +261,8 @@ class Coordinator:
             c.last_seen = self.t0     # the silence clock starts with the run, not at each cell's hello
         for i in self.order:
             self.router.open(i)
+            if self.on_role is not None:
+                self.on_role(i, self.cells[i].role, {"placed": True})
         try:
             while self.version < self.work.steps:
                 self._rules()
@@ -370,6 +375,9 @@ class Coordinator:
                 return
             self.switch_s[msg[1]].append(self.now() - c.switch_t0)
             self._set_role(c, msg[1])
+            if self.on_role is not None:
+                self.on_role(cell, msg[1], {**(self.decisions[-1].to_dict() if self.decisions else {}),
+                                            "switch_s": round(self.switch_s[msg[1]][-1], 4)})
             if msg[1] == ROLLOUT:
                 self.router.open(cell)
         elif kind == "micro_done":

@@ -279,6 +279,53 @@ def test_move_cell_moves_limits_and_records_the_retag_history(client):
     assert retag_history(client, 8) == []
 
 
+def test_an_elastic_run_records_each_cells_roles_as_queue_moves(client):
+    """The controller's role switches, through `RoleRecorder`, become exactly the placements and retags the
+    coordinator reports (its own switch marks are the reference), and the limits end where they started."""
+    from gyre_core.config import ElasticConfig
+    from gyre_core.elastic.runtime import run_elastic
+    from gyre_core.elastic.workload import Workload
+    from gyre_ops.cells import RoleRecorder, retag_history
+
+    pool = "gyre-elastic"
+    spec = _spec(pool)
+    ensure_pools(client, spec)
+    start = {q.name: q.concurrency_limit for q in spec[0].queues}
+    work = Workload(name="t", executions_per_step=12, steps=3, calls_median=6, calls_sigma=0.6, max_calls=14,
+                    call_s=0.02, env_s=0.01, train_s_per_call=0.002, optimizer_s=0.01, publish_s=0.01,
+                    switch_to_train_s=0.01, switch_to_rollout_s=0.01, seed=3)
+    recorder, heard = RoleRecorder("Run.E1", pool=pool, client=client), []
+
+    def on_role(cell, role, reason):
+        heard.append((cell, role, reason))
+        recorder(cell, role, reason)
+
+    cfg = ElasticConfig(policy="elastic", cells=3, mode="emulated", capacity=3, micro_step_executions=2)
+    res = run_elastic(cfg, work, on_role=on_role)
+    recorder.close()
+    assert recorder.errors == [] and res.switch_marks, "the controller never moved a cell"
+    for i in range(cfg.cells):
+        roles = [role for c, role, _ in heard if c == i]
+        # placed once, then one report per switch the coordinator marked for this cell
+        assert roles[1:] == [to for c, _, _, to in res.switch_marks if c == i]
+        expected, cur = [("gyre.cell.placed", None, roles[0])], roles[0]
+        for role in roles[1:] + [roles[0]]:              # ... and home again when the run ends
+            if role != cur:
+                expected.append(("gyre.cell.retagged", cur, role))
+                cur = role
+        history = _wait(lambda: h if len(h := retag_history(client, f"run-e1-c{i}")) >= len(expected) else None,
+                        f"cell {i}'s events stored")
+        assert [(h["event"], h["from_queue"], h["to_queue"]) for h in history] == expected
+    moves = [r for c, _, r in heard if not r.get("placed")]
+    assert all("train_after" in r and r["switch_s"] >= 0 for r in moves)   # the decision rides along
+    assert {q: _queues(client, pool)[q].concurrency_limit for q in start} == start
+
+    quiet = []
+    off = RoleRecorder("x", pool="no-such-pool", client=client, say=quiet.append)
+    off(0, "rollout", {"placed": True})
+    assert off.close() == [] and len(quiet) == 1 and "'no-such-pool'" in quiet[0]
+
+
 # -- the compose file, as data ----------------------------------------------------------------------------
 _VAR = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?:(:?[-?])([^}]*))?\}")
 

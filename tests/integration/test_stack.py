@@ -144,7 +144,8 @@ def test_a_killed_run_is_marked_crashed_and_a_retry_resumes_it_exactly(stack):
     assert set(revived["revived"][-1]["processes"]) == {"worker-cpu-0"}
     state["processes"].update(revived["processes"])          # so that `down` is checked against it too
     env = {**os.environ, "PREFECT_API_URL": spec.api_url}
-    out = subprocess.run([sys.executable, "-m", "prefect", "flow-run", "retry", str(fr.id)], env=env, capture_output=True, text=True)
+    out = subprocess.run([sys.executable, "-m", "prefect", "flow-run", "retry", str(fr.id)], env=env,
+                         capture_output=True, text=True)
     assert out.returncode == 0, out.stdout + out.stderr
     done = _wait(lambda: (r := client.read_flow_run(fr.id)).state.is_final() and r, 900, "the retried run to end",
                  every_s=3)
