@@ -4,9 +4,10 @@
     gyre bench prefect --quick --json   # `smoke` preset, 2 RL steps each way (~2 minutes)
     python -m bench.prefect_overhead [--quick]
 
-Two runs of the same steps, one after the other in this script, with identical work: the same preset and
-overrides under two run names (run names do not enter the seeds, so both roll out the same trajectories and
-end with the same weights; the bench checks that they do).
+Two runs of the same steps, one after the other in this script: the same preset and overrides under two run
+names (run names do not enter the seeds). `same_final_weights` says whether they ended bit-identical: on
+`smoke` they do; on `default` one update differs between processes at float-noise level (max |Δw| ~1e-8 from
+identical batches), so later steps sample slightly different trajectories — comparable work, not identical.
 
 - **plain**: in this process, `gyre_core.steps` called directly (prepare, warm start, evaluate-before, then
   rollout → score → process → train → publish per step). `plain_step_s`: the wall time from the call of
