@@ -35,7 +35,9 @@ class RunConfig(_Section):
     out_root: str = "data/runs"
     """Where run directories (checkpoints, markers, resolved config, plots) are written."""
     threads: int = 0
-    """torch intra-op threads; 0 uses torch's default."""
+    """torch intra-op threads; 0 uses torch's default. On CPU, 1 makes an update bit-reproducible across
+    processes (a resumed run then ends bit-identical to an uncrashed one); multi-threaded reductions differ
+    at ~1e-8 between processes."""
     replay: str | None = None
     """Train on this stored run's trajectories (its `demos` and `step=N` parts in the lake) instead of
     rolling out: no rollouts and no evaluations, to debug training alone. Run id: `<replay>-replay`."""

@@ -125,6 +125,11 @@ def prepare(cfg: GyreConfig) -> str:
     from .lake import Lake
     from .model import PolicyLoadError, build_tiny_model, load_policy, save_policy, train_tokenizer
 
+    if cfg.run.threads:          # here, so a flow run started by a worker honours it too, not only `gyre train`
+        import torch
+
+        torch.set_num_threads(cfg.run.threads)
+
     try:
         env = load_env(cfg.env.target, **cfg.env.kwargs)
     except Exception as exc:
