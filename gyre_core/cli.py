@@ -199,7 +199,11 @@ def cmd_up(args) -> int:
         return 2
     print(f"Prefect UI  {state['ui_url']}   (export PREFECT_API_URL={state['api_url']})")
     print(f"MLflow UI   {state['mlflow_url']}")
-    print(f"up in {state['start_s']} s; `gyre down` stops it")
+    revived = state.get("revived")            # only a stack brought back by this call has it
+    if revived:
+        print(f"restarted {', '.join(revived[-1]['processes'])}; the rest kept running. `gyre down` stops it")
+    else:
+        print(f"up in {state['start_s']} s; `gyre down` stops it")
     return 0
 
 
