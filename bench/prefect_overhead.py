@@ -27,7 +27,6 @@ identical batches), so later steps sample slightly different trajectories — co
 """
 from __future__ import annotations
 
-import socket
 import tempfile
 import time
 from pathlib import Path
@@ -46,12 +45,6 @@ def step_walls(task_times: dict[str, tuple[float, float]], n_steps: int) -> list
     return out
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _mean(xs: list[float]) -> float:
     return sum(xs) / len(xs)
 
@@ -59,16 +52,16 @@ def _mean(xs: list[float]) -> float:
 def _plain(preset: str, overrides: list[str]) -> dict:
     from gyre_core import report, steps
     from gyre_core.config import load_config
-
     from gyre_core.run import RunDir
 
-    run_dir = steps.prepare(load_config(preset, overrides))
+    cfg = load_config(preset, overrides)
+    run_dir = steps.prepare(cfg)
     steps.tracker(RunDir.open(run_dir))      # the MLflow run, opened up front as the flow's prepare task does
     t0 = time.time()
     steps.warm_start(run_dir)
     warm_s = time.time() - t0
     steps.evaluate(run_dir, "before")
-    n = load_config(preset, overrides).rl.steps
+    n = cfg.rl.steps
     walls = []
     for k in range(n):
         t0 = time.time()
@@ -89,6 +82,7 @@ def _prefect(preset: str, overrides: list[str], n: int, home: Path, run_dir: str
     from prefect.settings import PREFECT_API_URL, temporary_settings
 
     from gyre_core import report
+    from gyre_core.trainer.engine import _free_port
     from gyre_ops.stack import StackSpec, down, up
 
     spec = StackSpec(home=home, prefect_port=_free_port(), mlflow_port=_free_port())

@@ -30,7 +30,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from .config import ConfigError, GyreConfig
+from .config import ConfigError, GyreConfig, apply_threads
 from .run import CheckpointError, RunDir
 
 MLFLOW_SCHEMES = ("runs:/", "models:/", "mlflow-artifacts:/")
@@ -149,6 +149,7 @@ def evaluate_checkpoint(cfg: GyreConfig, checkpoint: str, label: str = "checkpoi
     from .lake import Lake
 
     check_label(label)
+    apply_threads(cfg)
     try:
         load_env(cfg.env.target, **cfg.env.kwargs)
     except Exception as exc:  # noqa: BLE001

@@ -47,10 +47,6 @@ def cmd_train(args) -> int:
     except (ConfigError, ValueError) as exc:
         print(f"gyre: config error: {exc}", file=sys.stderr)
         return 2
-    if cfg.run.threads:
-        import torch
-
-        torch.set_num_threads(cfg.run.threads)
     from flows.train import train
 
     from .model import PolicyLoadError
@@ -95,10 +91,6 @@ def cmd_evaluate(args) -> int:
     try:
         if not is_mlflow_uri(args.checkpoint):       # a wrong path fails before Prefect starts
             resolve_local(args.checkpoint, cfg)
-        if cfg.run.threads:
-            import torch
-
-            torch.set_num_threads(cfg.run.threads)
         from flows.evaluate import evaluate
 
         result = evaluate(checkpoint=args.checkpoint, preset=args.preset, overrides=list(args.set or []),

@@ -311,6 +311,16 @@ class GyreConfig(_Section):
         return f"{self.run.replay}-replay" if self.run.replay else f"{self.preset}-s{self.run.seed}"
 
 
+def apply_threads(cfg: GyreConfig) -> None:
+    """Set torch's intra-op threads from `run.threads` (0 leaves torch's default). Called where a run's
+    work starts (`steps.prepare`, `checkpoint_eval.evaluate_checkpoint`), so every entry — the CLI, a
+    worker's flow run — honours it."""
+    if cfg.run.threads:
+        import torch
+
+        torch.set_num_threads(cfg.run.threads)
+
+
 def presets() -> list[str]:
     return sorted(p.stem for p in PRESET_DIR.glob("*.yaml"))
 

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pyarrow as pa
 
-from .config import DEMO_SEED_OFFSET, ConfigError, GyreConfig
+from .config import DEMO_SEED_OFFSET, ConfigError, GyreConfig, apply_threads
 from .run import CheckpointError, RunDir
 from .ui import phase
 
@@ -125,11 +125,7 @@ def prepare(cfg: GyreConfig) -> str:
     from .lake import Lake
     from .model import PolicyLoadError, build_tiny_model, load_policy, save_policy, train_tokenizer
 
-    if cfg.run.threads:          # here, so a flow run started by a worker honours it too, not only `gyre train`
-        import torch
-
-        torch.set_num_threads(cfg.run.threads)
-
+    apply_threads(cfg)
     try:
         env = load_env(cfg.env.target, **cfg.env.kwargs)
     except Exception as exc:

@@ -69,3 +69,19 @@ def test_a_dict_value_replaces_and_a_dotted_key_merges():
     assert cfg.env.kwargs == {"length": 4}
     cfg = load_config("quick", ["env.kwargs.max_steps=30"])
     assert cfg.env.kwargs == {"level": "BabyAI-GoToLocal-v0", "max_steps": 30}
+
+
+def test_run_threads_sets_torchs_intra_op_threads_and_zero_leaves_them():
+    import torch
+
+    from gyre_core.config import apply_threads
+
+    before = torch.get_num_threads()
+    try:
+        apply_threads(load_config("smoke", ["run.threads=1"]))
+        assert torch.get_num_threads() == 1
+        torch.set_num_threads(before)
+        apply_threads(load_config("smoke"))
+        assert torch.get_num_threads() == before
+    finally:
+        torch.set_num_threads(before)
