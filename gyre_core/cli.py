@@ -13,6 +13,7 @@
     gyre bench elastic [--json] [--quick]
     gyre bench lake [--json] [--quick]
     gyre bench prefect [--json] [--quick]
+    gyre bench cells [--json]
     gyre sim [--profile laptop|paper-122b|paper-2.4t] [--set k=8 ...] [--policy all] [--async-split best] [--json]
     gyre presets
 
@@ -211,7 +212,7 @@ def cmd_worker(args) -> int:
     from gyre_ops.worker import run_worker
 
     return run_worker(args.pool, list(args.queue or ["default"]), devices=args.devices, name=args.name,
-                      dry_run=args.dry_run)
+                      dry_run=args.dry_run, limit=args.limit)
 
 
 def cmd_bench(args) -> int:
@@ -247,6 +248,10 @@ def _run_bench(args):
         from bench.prefect_overhead import bench_prefect
 
         result = bench_prefect(quick=args.quick)
+    elif args.what == "cells":
+        from bench.cell_launch import bench_cells
+
+        result = bench_cells()
     else:
         result = None
     return result
@@ -340,7 +345,8 @@ def main(argv: list[str] | None = None) -> int:
     u.add_argument("--mlflow-port", type=int, default=5000)
     u.add_argument("--cpu-workers", type=int, default=1, help="workers for flow runs (queue `default`)")
     u.add_argument("--devices", action="append", metavar="0,1",
-                   help="a device set for one cell worker (repeat: --devices 0,1 --devices 2,3)")
+                   help="a device set for one cell worker (repeat: --devices 0,1 --devices 2,3; `cpu` for a "
+                        "CPU cell), which runs the cell agents of elastic.launch=prefect")
     u.add_argument("--home", default=None, help="state, logs and server data (default data/stack)")
     u.add_argument("--no-deploy", action="store_true", help="skip `prefect deploy --all`")
     u.set_defaults(fn=cmd_up)
@@ -354,10 +360,13 @@ def main(argv: list[str] | None = None) -> int:
     wk.add_argument("--devices", default=None, metavar="0,1",
                     help="CUDA_VISIBLE_DEVICES for the worker and its runs (`none`: hide every GPU)")
     wk.add_argument("--name", default=None, help="worker name prefix (default: the host name)")
+    wk.add_argument("--limit", type=int, default=None,
+                    help="flow runs at once (default: 1 on a cell queue, rollout or train — one cell per device "
+                         "set; else no limit)")
     wk.add_argument("--dry-run", action="store_true", help="check, print the command, do not start")
     wk.set_defaults(fn=cmd_worker)
     b = sub.add_parser("bench", help="benchmarks that print figures")
-    b.add_argument("what", choices=("engine", "processor", "elastic", "lake", "prefect"))
+    b.add_argument("what", choices=("engine", "processor", "elastic", "lake", "prefect", "cells"))
     b.add_argument("--json", action="store_true", help="one line of JSON")
     b.add_argument("--quick", action="store_true", help="fewer repetitions and a smaller workload")
     b.set_defaults(fn=cmd_bench)

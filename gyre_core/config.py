@@ -259,6 +259,15 @@ class ElasticConfig(_Section):
     """A cell agent silent for this long is declared dead: its calls are retried, its micro-steps reclaimed."""
     start_timeout_s: float = Field(300.0, gt=0)
     """How long the coordinator waits for every cell agent to connect (loading a model can take a while)."""
+    launch: Literal["process", "prefect"] = "process"
+    """How cell agents start. `process`: as child processes of the coordinator, on its host. `prefect`: as
+    flow runs of the `cell-agent` deployment on queue `rollout` of work pool `pool`, one per cell worker
+    (`gyre up --devices 0,1 --devices 2,3`, or `gyre worker --queue rollout --queue train --devices 0,1
+    --limit 1` on each host); each cell's flow run is retagged as it changes role."""
+    pool: str = "gyre"
+    """The Prefect work pool whose `rollout` / `train` queues count the cells in each role."""
+    coordinator_host: str = "127.0.0.1"
+    """The address the coordinator listens on and cell agents dial: one every cell host can reach."""
 
     @model_validator(mode="after")
     def _workable(self):

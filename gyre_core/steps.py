@@ -714,10 +714,12 @@ def step_metrics(run: RunDir, step: int) -> dict[str, float]:
 # the RL phase on cell agents (elastic.enabled): the same steps, streamed across K cells
 
 
-def elastic_rl(run_dir: str, on_role=None) -> dict:
+def elastic_rl(run_dir: str, on_role=None, launcher=None) -> dict:
     """All RL steps at once on `elastic.cells` cell agents under `elastic.policy` (see `gyre_core.elastic`).
     `on_role(cell, role, reason)` hears each cell's starting role and every finished switch (the Prefect
-    task passes `gyre_ops.cells.RoleRecorder`, which records them as queue moves).
+    task passes `gyre_ops.cells.RoleRecorder`, which records them as queue moves). `launcher` starts the
+    agents: None starts them as local processes; `elastic.launch=prefect` needs the Prefect task's
+    `gyre_ops.cell_runs.PrefectCellLauncher`.
 
     Rollout, scoring and training overlap here, so there are no per-phase markers: the cells publish
     every version into the run's weights, and when the run ends each version gets its `publish_` marker,
@@ -735,11 +737,14 @@ def elastic_rl(run_dir: str, on_role=None) -> dict:
     cfg = run.cfg
     if run.done("warm_start") is None:
         raise CheckpointError("elastic_rl: the warm start is not done; run warm_start first")
+    if cfg.elastic.launch == "prefect" and launcher is None:
+        raise ConfigError("elastic.launch=prefect: cell agents start as Prefect flow runs, which only the train "
+                          "flow's elastic-rl task creates (`gyre train`, or the `train` deployment)")
     t0 = time.time()
     work = HarnessWork(run_dir, cfg.rl.steps)
     with phase(f"elastic RL: {cfg.rl.steps} steps on {cfg.elastic.cells} {cfg.elastic.mode} cells "
                f"({cfg.elastic.policy})", cfg.rl.steps) as tick:
-        res = run_elastic(cfg.elastic, work, on_version=lambda v: tick(), on_role=on_role)
+        res = run_elastic(cfg.elastic, work, on_version=lambda v: tick(), on_role=on_role, launcher=launcher)
     by_step: dict[int, list] = {}
     for r in work.records:
         by_step.setdefault(r.step, []).append(r)
@@ -767,9 +772,11 @@ def elastic_rl(run_dir: str, on_role=None) -> dict:
         t.log_metrics(metrics, step)
         run.mark(f"publish_{step + 1:04d}", {"uri": run.weights_uri(step + 1), "metrics": metrics})
     summary = {k: v for k, v in res.to_dict().items() if k != "decisions"}
+    summary["switch_marks"] = [[cell, round(t, 3), src, dst] for cell, t, src, dst in res.switch_marks]
     t.log_metrics({f"elastic/busy_{k}": v for k, v in res.busy.items() if v is not None}
                   | {"elastic/step_s": res.step_s, "elastic/switches": res.switches,
-                     "elastic/reroutes": res.reroutes, "elastic/stale_dropped": res.stale_dropped}, 0)
+                     "elastic/reroutes": res.reroutes, "elastic/stale_dropped": res.stale_dropped,
+                     "elastic/start_s": res.start_s}, 0)
     out = run.path / "elastic"
     out.mkdir(exist_ok=True)
     res.plot(str(out / "role_timeline.png"))

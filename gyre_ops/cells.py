@@ -42,6 +42,7 @@ from .pools import PoolError, _client, _reachable
 
 PLACED = "gyre.cell.placed"
 RETAGGED = "gyre.cell.retagged"
+ROLE_TAG = "role:"                  # a cell's flow run (elastic.launch=prefect) carries role:<its role now>
 _CELL = re.compile(r"^[a-z0-9][a-z0-9_-]*$")
 
 
@@ -67,6 +68,22 @@ def cell_name(cell: int | str) -> str:
     if not _CELL.match(name) or len(name) > 200:
         raise ValueError(f"cell name {cell!r}: use an integer or lowercase letters, digits, '-' and '_'")
     return name
+
+
+def cell_prefix(run_id: str) -> str:
+    """A run id as the start of cell names (lowercase letters, digits, '-' and '_')."""
+    return re.sub(r"[^a-z0-9_-]+", "-", run_id.lower()).strip("-_") or "cell"
+
+
+def cell_run_name(run_id: str, cell: int) -> str:
+    """The name of cell `cell` of run `run_id` everywhere in Prefect: its variable (`gyre-cell-<name>`),
+    its event resource (`gyre.cell.<name>`) and, when it is launched through Prefect, its flow run."""
+    return cell_name(f"{cell_prefix(run_id)}-c{cell}")
+
+
+def role_tags(tags: list[str], role: str) -> list[str]:
+    """`tags` with its `role:` tag replaced by `role:<role>`."""
+    return [t for t in tags if not t.startswith(ROLE_TAG)] + [f"{ROLE_TAG}{role}"]
 
 
 def resource_id(cell: int | str) -> str:
@@ -114,6 +131,16 @@ def _queue_resource(q: Any, role: str) -> dict[str, str]:
             "prefect.resource.name": q.name}
 
 
+def _retag_flow_run(c: Any, flow_run_id: Any, role: str) -> list[dict[str, str]]:
+    """Set the cell's flow run's `role:` tag (elastic.launch=prefect); the event's related resource."""
+    if flow_run_id is None:
+        return []
+    fr = c.read_flow_run(flow_run_id)
+    c.update_flow_run(fr.id, tags=role_tags(list(fr.tags or []), role))
+    return [{"prefect.resource.id": f"prefect.flow-run.{fr.id}", "prefect.resource.role": "flow-run",
+             "prefect.resource.name": fr.name}]
+
+
 def _emit(c: Any, event: str, cell: str, pool_obj: Any, related: list[dict[str, str]], payload: dict):
     """Send one event to the server `c` talks to and wait until the server has taken it (a checkpoint
     after the event), so the history is complete when the call returns."""
@@ -138,9 +165,10 @@ def _emit(c: Any, event: str, cell: str, pool_obj: Any, related: list[dict[str, 
 
 
 def place_cell(client: Any, cell: int | str, queue: str, *, pool: str = "gyre", devices: str | None = None,
-               worker: str | None = None) -> Retag:
+               worker: str | None = None, flow_run_id: Any = None) -> Retag:
     """Record where a cell starts (its agent came up on `queue`): the variable and a `gyre.cell.placed`
-    event. Limits are not changed: the spec's limits already count the fleet's starting roles."""
+    event. Limits are not changed: the spec's limits already count the fleet's starting roles.
+    `flow_run_id`: the cell's own flow run (it gets the tag `role:<queue>`; the event is related to it)."""
     cell = cell_name(cell)
     with _client(client) as c, _reachable(c):
         pool_obj = c.read_work_pool(pool)
@@ -150,12 +178,13 @@ def place_cell(client: Any, cell: int | str, queue: str, *, pool: str = "gyre", 
         _write_state(c, cell, state)
         payload = {"cell": cell, "pool": pool, "from_queue": None, "to_queue": queue, "devices": devices,
                    "worker": worker, "limits": {queue: q.concurrency_limit}}
-        ev = _emit(c, PLACED, cell, pool_obj, [_queue_resource(q, "to-queue")], payload)
+        related = [_queue_resource(q, "to-queue"), *_retag_flow_run(c, flow_run_id, queue)]
+        ev = _emit(c, PLACED, cell, pool_obj, related, payload)
     return Retag(cell, pool, None, queue, payload["limits"], PLACED, str(ev.id), ev.occurred.isoformat())
 
 
 def move_cell(client: Any, cell: int | str, to_queue: str, *, pool: str = "gyre", from_queue: str | None = None,
-              reason: dict | None = None) -> Retag | None:
+              reason: dict | None = None, flow_run_id: Any = None) -> Retag | None:
     """The controller moved `cell` to `to_queue` (e.g. rollout -> train): move one unit of concurrency limit
     from its current queue to `to_queue` (a queue without a limit stays unlimited; a limit never goes
     below 0), record the cell's new queue, and emit a `gyre.cell.retagged` event with both queues, the new
@@ -163,7 +192,7 @@ def move_cell(client: Any, cell: int | str, to_queue: str, *, pool: str = "gyre"
 
     `from_queue` defaults to the cell's recorded queue (`place_cell` or an earlier move); a cell with no
     record and no `from_queue` is an error (placing it is `place_cell`). Returns None when the cell is
-    already on `to_queue` (nothing changes, nothing is emitted)."""
+    already on `to_queue` (nothing changes, nothing is emitted). `flow_run_id`: as for `place_cell`."""
     cell = cell_name(cell)
     with _client(client) as c, _reachable(c):
         state = _read_state(c, cell) or {}
@@ -185,14 +214,16 @@ def move_cell(client: Any, cell: int | str, to_queue: str, *, pool: str = "gyre"
         _write_state(c, cell, {**state, "pool": pool, "queue": to_queue, "since": now})
         payload = {"cell": cell, "pool": pool, "from_queue": src, "to_queue": to_queue, "limits": limits,
                    "reason": dict(reason or {})}
-        ev = _emit(c, RETAGGED, cell, pool_obj,
-                   [_queue_resource(q_from, "from-queue"), _queue_resource(q_to, "to-queue")], payload)
+        related = [_queue_resource(q_from, "from-queue"), _queue_resource(q_to, "to-queue"),
+                   *_retag_flow_run(c, flow_run_id, to_queue)]
+        ev = _emit(c, RETAGGED, cell, pool_obj, related, payload)
     return Retag(cell, pool, src, to_queue, limits, RETAGGED, str(ev.id), ev.occurred.isoformat())
 
 
 def retag_history(client: Any, cell: int | str, limit: int = 500) -> list[dict]:
     """The cell's placements and moves, oldest first, as the server stored them (events; Prefect keeps
-    them for PREFECT_SERVER_EVENTS_RETENTION_PERIOD, 7 days by default)."""
+    them for PREFECT_SERVER_EVENTS_RETENTION_PERIOD, 7 days by default). `flow_run`: the id of the cell's
+    own flow run when it was launched through Prefect, else None."""
     from prefect.events.filters import (EventFilter, EventNameFilter, EventOccurredFilter, EventOrder,
                                         EventResourceFilter)
 
@@ -205,9 +236,11 @@ def retag_history(client: Any, cell: int | str, limit: int = 500) -> list[dict]:
         while True:
             for ev in page.events:
                 p = ev.payload or {}
+                runs = [r.id.removeprefix("prefect.flow-run.") for r in ev.related if r.role == "flow-run"]
                 out.append({"occurred": ev.occurred.isoformat(), "event": ev.event, "id": str(ev.id),
                             "pool": p.get("pool"), "from_queue": p.get("from_queue"), "to_queue": p.get("to_queue"),
-                            "limits": p.get("limits"), "reason": p.get("reason")})
+                            "limits": p.get("limits"), "reason": p.get("reason"),
+                            "flow_run": runs[0] if runs else None})
             if len(out) >= limit or not page.next_page:
                 break
             page = c.read_events_page(page.next_page)
@@ -217,21 +250,24 @@ def retag_history(client: Any, cell: int | str, limit: int = 500) -> list[dict]:
 class RoleRecorder:
     """`on_role(cell, role, reason)` for the elastic controller: records each cell's roles in Prefect as
     `place_cell` / `move_cell` (queue `rollout` or `train` of `pool`), off the controller's thread so a
-    role switch never waits on the server. Cells are named `<prefix>-c<i>`.
+    role switch never waits on the server. Cells are named `cell_run_name(run_id, i)`; `flow_runs`
+    (cell -> flow-run id, filled as `gyre_ops.cell_runs.PrefectCellLauncher` starts them) gets each cell's
+    own flow run retagged with its role.
 
     When the pool or its queues are missing (the embedded default runs on a temporary server with no
     pool), or the server cannot be reached, it records nothing and says so once on stderr: the run itself
     never depends on it. `close()` moves every cell back to its starting queue and waits for the writes."""
 
-    def __init__(self, prefix: str, *, pool: str = "gyre", client: Any = None, say=None):
+    def __init__(self, run_id: str, *, pool: str = "gyre", client: Any = None, say=None,
+                 flow_runs: dict[int, Any] | None = None):
         from .pools import ApiUnreachable, check_pool
 
-        self.prefix = re.sub(r"[^a-z0-9_-]+", "-", prefix.lower()).strip("-_") or "cell"
-        self.pool, self.client = pool, client
+        self.run_id, self.pool, self.client = run_id, pool, client
+        self.flow_runs = flow_runs if flow_runs is not None else {}
         self.say = say or (lambda m: print(m, file=sys.stderr))
         self.recorded: list[Retag] = []
         self.errors: list[str] = []
-        self.start_queue: dict[str, str] = {}
+        self.start_queue: dict[int, str] = {}
         try:
             self.disabled = check_pool(client, pool, ("rollout", "train"))
         except ApiUnreachable as exc:
@@ -244,27 +280,28 @@ class RoleRecorder:
         self._thread.start()
 
     def name(self, cell: int) -> str:
-        return cell_name(f"{self.prefix}-c{cell}")
+        return cell_run_name(self.run_id, cell)
 
     def __call__(self, cell: int, role: str, reason: dict) -> None:
         if not self.disabled:
-            self._q.put((self.name(cell), role, dict(reason)))
+            self._q.put((cell, role, dict(reason)))
 
     def _drain(self) -> None:
         while True:
             item = self._q.get()
             if item is None:          # the run ended: every cell back to where it started
-                for name, start in self.start_queue.items():
-                    self._record(name, start, {"run_ended": True})
+                for cell, start in self.start_queue.items():
+                    self._record(cell, start, {"run_ended": True})
                 return
             self._record(*item)
 
-    def _record(self, name: str, role: str, reason: dict) -> None:
+    def _record(self, cell: int, role: str, reason: dict) -> None:
+        name, run = self.name(cell), self.flow_runs.get(cell)
         try:
             if reason.get("placed"):
-                self.start_queue[name] = role
-                self.recorded.append(place_cell(self.client, name, role, pool=self.pool))
-            elif (r := move_cell(self.client, name, role, pool=self.pool, reason=reason)) is not None:
+                self.start_queue[cell] = role
+                self.recorded.append(place_cell(self.client, name, role, pool=self.pool, flow_run_id=run))
+            elif (r := move_cell(self.client, name, role, pool=self.pool, reason=reason, flow_run_id=run)) is not None:
                 self.recorded.append(r)
         except Exception as exc:  # noqa: BLE001 - a record that failed must not stop the run
             self.errors.append(f"{name} -> {role}: {type(exc).__name__}: {exc}")

@@ -172,9 +172,9 @@ def up(spec: StackSpec, say=print) -> dict:
         for i in range(spec.cpu_workers):
             launch.start(f"worker-cpu-{i}", [_bin("gyre"), "worker", "--pool", spec.pool, "--queue", spec.queue,
                                              "--name", f"cpu-{i}"])
-        for i, devices in enumerate(spec.device_sets):    # cell agents: start on rollout, the controller moves them
+        for i, devices in enumerate(spec.device_sets):   # one cell agent each (elastic.launch=prefect), limit 1
             launch.start(f"worker-cell-{i}", [_bin("gyre"), "worker", "--pool", spec.pool, "--queue", "rollout",
-                                              "--devices", devices, "--name", f"cell-{i}"])
+                                              "--queue", "train", "--devices", devices, "--name", f"cell-{i}"])
     except BaseException:
         _stop(launch.procs)
         raise

@@ -15,7 +15,12 @@ from tasks import artifacts
 
 @task(name="prepare", task_run_name="prepare", retries=0)
 def prepare(preset: str, overrides: list[str]) -> str:
-    run_dir = steps.prepare(load_config(preset, overrides))
+    cfg = load_config(preset, overrides)
+    if cfg.elastic.enabled and cfg.elastic.launch == "prefect":   # refuse before any work, not at the RL phase
+        from gyre_ops.cell_runs import check_launch
+
+        check_launch(cfg.elastic.cells, cfg.elastic.pool)
+    run_dir = steps.prepare(cfg)
     artifacts.link_run(run_dir)        # MLflow run <-> this flow run
     return run_dir
 
@@ -59,11 +64,16 @@ def publish(run_dir: str, step: int) -> str:
 
 @task(name="elastic-rl", task_run_name="elastic-rl", retries=1)
 def elastic(run_dir: str) -> dict:
+    from gyre_ops.cell_runs import PrefectCellLauncher
     from gyre_ops.cells import RoleRecorder
 
-    roles = RoleRecorder(RunDir.open(run_dir).run_id)   # cell roles as queue moves in the pool, if it exists
+    run = RunDir.open(run_dir)
+    e = run.cfg.elastic
+    launcher = PrefectCellLauncher(run.run_id, e.cells, e.pool) if e.launch == "prefect" else None
+    # cell roles as queue moves in the pool (if it exists), and as each cell flow run's role tag
+    roles = RoleRecorder(run.run_id, pool=e.pool, flow_runs=launcher.flow_runs if launcher else None)
     try:
-        out = steps.elastic_rl(run_dir, on_role=roles)
+        out = steps.elastic_rl(run_dir, on_role=roles, launcher=launcher)
     finally:
         roles.close()
     for step in range(steps.latest_version(RunDir.open(run_dir))):    # one artifact per step, as the loop

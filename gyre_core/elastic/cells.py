@@ -2,7 +2,8 @@
 
     python -m gyre_core.elastic.cells --cell 3 --coordinator 127.0.0.1:PORT --authkey-env GYRE_CELL_KEY
 
-(`gyre cell ...` is the same command; a Prefect worker or a fleet's process manager wraps it.) The agent
+(`gyre cell ...` is the same command; a fleet's process manager can wrap it, and with `elastic.launch=prefect`
+the `cell-agent` flow run, `flows/cell_agent.py`, runs it on a cell worker.) The agent
 connects to the coordinator, says hello, and then serves messages until told to stop:
 
     ("gen", call_id, request)        start a model call (rollout role only)

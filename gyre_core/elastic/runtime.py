@@ -15,6 +15,11 @@ done, a role switch done, a cell lost) re-runs the same four rules:
 4. when a burst's micro-steps are all done, the core applies the update and publishes the next version.
 A cell whose connection drops, or that is silent for `cell_timeout_s`, is declared dead: its calls
 are retried elsewhere, its micro-steps reclaimed, and the run goes on with K − 1 cells.
+
+How the agents start is a *launcher*'s job (`elastic.launch`): `ProcessLauncher` (the default) starts each
+as a child process of this one; `gyre_ops.cell_runs.PrefectCellLauncher` starts each as a flow run of the
+`cell-agent` deployment that a cell worker of the work pool picks up (one worker per device set). Either
+way the agent runs the same plain command and dials back to `elastic.coordinator_host`.
 """
 from __future__ import annotations
 
@@ -26,6 +31,7 @@ import sys
 import threading
 import time
 from dataclasses import dataclass, field
+from typing import Protocol
 from multiprocessing.connection import Listener
 
 from ..config import ConfigError, ElasticConfig
@@ -45,7 +51,7 @@ def _mean(xs: list[float]) -> float | None:
 class _CellState:
     index: int
     conn: object
-    proc: subprocess.Popen | None
+    proc: "CellHandle | None"
     role: str = ROLLOUT              # rollout | train | switching | dead
     target: str = ROLLOUT
     busy: bool = False               # computing a micro-step or an update
@@ -83,6 +89,8 @@ class ElasticResult:
     optim_s: list[float] = field(default_factory=list)
     train_stats: dict = field(default_factory=dict)
     micro_by_cell: dict = field(default_factory=dict)
+    launch: str = "process"       # how the agents started (elastic.launch)
+    start_s: float = 0.0          # from launching the agents until every one had connected
 
     def plot(self, path: str) -> str:
         """The role timeline of this run as a PNG (cells × time by role, switch ticks, w(t) below)."""
@@ -101,16 +109,54 @@ class ElasticResult:
                 "calls": len(self.call_s), "call_s_mean": _mean(self.call_s),
                 "micro_steps": len(self.micro_s), "micro_s_total": sum(self.micro_s),
                 "optim_s_mean": _mean(self.optim_s),
-                "micro_steps_by_cell": {str(k): v for k, v in sorted(self.micro_by_cell.items())}}
+                "micro_steps_by_cell": {str(k): v for k, v in sorted(self.micro_by_cell.items())},
+                "launch": self.launch, "start_s": self.start_s}
+
+
+# each cell's trainer is its own process group: a coordinator's torch.distributed settings are not the cells'
+_RENDEZVOUS = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK")
+
+
+class CellHandle(Protocol):
+    """A started cell agent as its launcher sees it (a `subprocess.Popen` is one)."""
+
+    def poll(self) -> int | None: ...                       # None while it runs, else its exit status
+
+    def kill(self) -> None: ...
+
+    def wait(self, timeout: float | None = None) -> int: ...   # raises subprocess.TimeoutExpired
+
+
+class ProcessLauncher:
+    """Cell agents as child processes of the coordinator, on this host: `python -m gyre_core.elastic.cells
+    ARGS` with the key and the cell's devices in its environment."""
+
+    name = "process"
+
+    def launch(self, cell: int, args: list[str], env: dict[str, str]) -> subprocess.Popen:
+        # the agents' chatter goes to stderr: a coordinator's stdout may be a JSON answer
+        full = {k: v for k, v in os.environ.items() if k not in _RENDEZVOUS} | env
+        return subprocess.Popen([sys.executable, "-m", "gyre_core.elastic.cells", *args], env=full, stdout=2)
+
+    def describe(self, cell: int, handle) -> str:
+        return f"cell {cell} exited with status {handle.poll()}"
+
+    def waiting(self, pending: dict[int, object]) -> str:
+        return ""
+
+    def close(self) -> None:
+        pass
 
 
 class Coordinator:
     def __init__(self, ecfg: ElasticConfig, work, *, kill_cell_at: tuple[int, float] | None = None,
-                 policy=None, on_version=None, on_role=None):
+                 policy=None, on_version=None, on_role=None, launcher=None):
         """`work`: an `EmulatedWork` or a `HarnessWork` (or a `Workload`, emulated); `on_version(v)` is
         called as each version is published (progress); `on_role(cell, role, reason)` once per cell with its
         starting role (reason {"placed": True}) and after every finished switch (reason: the controller's
-        decision), from the main loop: it must not block (`gyre_ops.cells.RoleRecorder` queues to Prefect)."""
+        decision), from the main loop: it must not block (`gyre_ops.cells.RoleRecorder` queues to Prefect).
+        `launcher` starts the agents (default `ProcessLauncher`; see the module's docstring)."""
+        self.launcher = launcher or ProcessLauncher()
         self.on_version = on_version
         self.on_role = on_role
         self.cfg = ecfg
@@ -141,7 +187,8 @@ class Coordinator:
         self.train_stats: dict[int, dict] = {}    # version trained from → summed micro-step statistics
         self.micro_by_cell: dict[int, int] = {}   # micro-steps each cell computed (and that counted)
         self.kill_cell_at = kill_cell_at     # tests: (cell, seconds) SIGKILLs a cell mid-run
-        self._procs: list[subprocess.Popen] = []
+        self._procs: list[CellHandle] = []
+        self.start_s = 0.0
 
     # -- clock and records ---------------------------------------------------------------------
     def now(self) -> float:
@@ -174,22 +221,20 @@ class Coordinator:
 
     # -- cells -----------------------------------------------------------------------------------
     def _start_cells(self) -> None:
+        t_launch = time.monotonic()
         key = secrets.token_hex(16)
-        listener = Listener(("127.0.0.1", 0), backlog=self.cfg.cells, authkey=key.encode())   # all may dial at once
+        # all may dial at once; the address is one every cell can reach (127.0.0.1 on one host)
+        listener = Listener((self.cfg.coordinator_host, 0), backlog=self.cfg.cells, authkey=key.encode())
         host, port = listener.address
-        env = dict(os.environ, GYRE_CELL_KEY=key, OMP_NUM_THREADS=str(self.cfg.devices_per_cell))
-        for var in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK"):
-            env.pop(var, None)    # each cell's trainer is its own process group (this one's port is taken)
-        gpus = _gpu_slices(self.cfg) if self.work.mode == "real" else None
+        env = {"GYRE_CELL_KEY": key, "OMP_NUM_THREADS": str(self.cfg.devices_per_cell)}
+        gpus = _gpu_slices(self.cfg) if self.work.mode == "real" and self.launcher.name == "process" else None
         procs = []
         for i in range(self.cfg.cells):
-            if gpus is not None:   # cell i owns its own devices_per_cell GPUs
+            if gpus is not None:   # cell i owns its own devices_per_cell GPUs (a cell worker brings its own)
                 env = dict(env, CUDA_VISIBLE_DEVICES=gpus[i])
-            cmd = [sys.executable, "-m", "gyre_core.elastic.cells", "--cell", str(i),
-                   "--coordinator", f"{host}:{port}", "--threads", str(self.cfg.devices_per_cell),
-                   *self.work.cell_args()]
-            # the agents' chatter goes to stderr: a coordinator's stdout may be a JSON answer
-            procs.append(subprocess.Popen(cmd, env=env, stdout=2))
+            args = ["--cell", str(i), "--coordinator", f"{host}:{port}", "--threads", str(self.cfg.devices_per_cell),
+                    *self.work.cell_args()]
+            procs.append(self.launcher.launch(i, args, env))
             self._procs.append(procs[-1])
         arrived: queue.Queue = queue.Queue()
 
@@ -207,16 +252,18 @@ class Coordinator:
             try:
                 conn, hello = arrived.get(timeout=0.2)
             except queue.Empty:
-                failed = [(i, p.returncode) for i, p in enumerate(procs) if p.poll() is not None]
+                failed = [i for i, p in enumerate(procs) if i not in self.cells and p.poll() is not None]
                 late = time.monotonic() > deadline
                 if failed or late:
+                    pending = {i: p for i, p in enumerate(procs) if i not in self.cells}
+                    why = (", ".join(self.launcher.describe(i, procs[i]) for i in failed) if failed else
+                           f"only {len(self.cells)} of {self.cfg.cells} cells connected within "
+                           f"{self.cfg.start_timeout_s:g} s (elastic.start_timeout_s)"
+                           + self.launcher.waiting(pending))
                     for p in procs:
                         if p.poll() is None:
                             p.kill()
                     listener.close()
-                    why = (", ".join(f"cell {i} exited with status {rc}" for i, rc in failed) if failed else
-                           f"only {len(self.cells)} of {self.cfg.cells} cells connected within "
-                           f"{self.cfg.start_timeout_s:g} s (elastic.start_timeout_s)")
                     raise RuntimeError(f"gyre elastic: cell agents failed to start: {why}")
                 continue
             if conn is None:
@@ -224,6 +271,7 @@ class Coordinator:
             idx = hello[1]
             self.cells[idx] = _CellState(idx, conn, procs[idx], last_seen=time.monotonic())
         listener.close()
+        self.start_s = time.monotonic() - t_launch
         self.order = sorted(self.cells)
         for c in self.cells.values():
             threading.Thread(target=self._reader, args=(c,), daemon=True).start()
@@ -255,6 +303,7 @@ class Coordinator:
             for p in self._procs:
                 if p.poll() is None:
                     p.kill()
+            self.launcher.close()
             raise
         self.t0 = time.monotonic()
         for c in self.cells.values():
@@ -464,6 +513,7 @@ class Coordinator:
                     c.proc.kill()
         for th in self.threads:
             th.join(timeout=1)
+        self.launcher.close()
 
     def _result(self, wall: float) -> ElasticResult:
         k = self.cfg.cells
@@ -475,7 +525,8 @@ class Coordinator:
             stale_dropped=self.stream.dropped_stale, decisions=self.decisions, role_spans=self.role_spans,
             busy_spans=self.busy_spans, switch_marks=self.marks, executions=getattr(self.work, "logs", []),
             notes=self.notes, load=self.load, call_s=list(self.router.call_s), micro_s=self.micro_s,
-            optim_s=self.optim_s, train_stats=self.train_stats, micro_by_cell=self.micro_by_cell)
+            optim_s=self.optim_s, train_stats=self.train_stats, micro_by_cell=self.micro_by_cell,
+            launch=self.launcher.name, start_s=self.start_s)
 
 
 def _gpu_slices(ecfg: ElasticConfig) -> list[str] | None:
@@ -509,8 +560,9 @@ def available_devices(ecfg: ElasticConfig) -> tuple[int, str]:
 
 
 def check_fleet(ecfg: ElasticConfig) -> None:
-    """Refuse, before anything starts, a real fleet that needs more devices than there are."""
-    if ecfg.mode != "real":
+    """Refuse, before anything starts, a real fleet that needs more devices than this host has (cells
+    launched through Prefect run on the cell workers' device sets: the launcher checks those)."""
+    if ecfg.mode != "real" or ecfg.launch != "process":
         return
     have, what = available_devices(ecfg)
     need = ecfg.cells * ecfg.devices_per_cell

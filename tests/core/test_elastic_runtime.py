@@ -58,6 +58,44 @@ def test_executions_survive_repeated_switches_with_exact_records():
     assert all(vs == sorted(vs) for vs in spanning)
 
 
+class _Silent:
+    """A launcher whose agents start but never dial in (a process that only sleeps)."""
+
+    name = "silent"
+
+    def __init__(self):
+        self.launched, self.closed = [], False
+
+    def launch(self, cell, args, env):
+        import subprocess
+        import sys
+
+        self.launched.append((cell, args, env))
+        return subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+
+    def describe(self, cell, handle):
+        return f"cell {cell} gone"
+
+    def waiting(self, pending):
+        return f"; still waiting for {sorted(pending)}"
+
+    def close(self):
+        self.closed = True
+
+
+def test_a_launcher_starts_the_agents_and_says_why_they_did_not_connect():
+    cfg = ElasticConfig(policy="colocated", cells=2, mode="emulated", start_timeout_s=1.0)
+    launcher = _Silent()
+    with pytest.raises(RuntimeError, match=r"only 0 of 2 cells connected within 1 s.*still waiting for \[0, 1\]"):
+        Coordinator(cfg, FAST, launcher=launcher).run()
+    # each agent got the plain command's arguments and the key in its environment
+    assert [c for c, _, _ in launcher.launched] == [0, 1]
+    for cell, args, env in launcher.launched:
+        assert args[:2] == ["--cell", str(cell)] and args[2] == "--coordinator" and "--mode" in args
+        assert len(env["GYRE_CELL_KEY"]) == 32
+    assert launcher.closed
+
+
 def test_waterlevel_decisions_follow_the_rule():
     cfg = ElasticConfig(policy="elastic", cells=4, mode="emulated", capacity=3, micro_step_executions=2)
     res = run_elastic(cfg, FAST)

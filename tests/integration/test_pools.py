@@ -24,7 +24,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from gyre_ops.pools import PoolSpec, QueueSpec, SpecError, check_pool, ensure_pools, load_spec, parse_spec
+from gyre_ops.pools import (PoolError, PoolSpec, QueueSpec, SpecError, check_pool, ensure_pools, load_spec,
+                            parse_spec)
 
 ROOT = Path(__file__).resolve().parents[2]
 INFRA = ROOT / "infra"
@@ -194,6 +195,13 @@ def test_gyre_worker_refuses_missing_pool_or_queue(client, capsys):
     line = capsys.readouterr().out
     assert "CUDA_VISIBLE_DEVICES=2,3" in line and "--work-queue rollout --work-queue train" in line
     assert "--no-create-pool-if-not-found" in line and "--name h:rollout+train:cuda2,3" in line
+    assert line.split()[-2:] == ["--limit", "1"]                 # a cell worker serves one cell at a time
+    assert main(["worker", "--pool", "gyre-worker", "--queue", "default", "--dry-run"]) == 0
+    assert "--limit" not in capsys.readouterr().out              # flow runs: Prefect's default, no limit
+    assert main(["worker", "--pool", "gyre-worker", "--queue", "rollout", "--limit", "3", "--dry-run"]) == 0
+    assert capsys.readouterr().out.split()[-2:] == ["--limit", "3"]
+    assert main(["worker", "--pool", "gyre-worker", "--queue", "rollout", "--limit", "0", "--dry-run"]) == 2
+    assert "--limit 0" in capsys.readouterr().err
 
 
 def test_worker_scripts_start_one_worker_per_device_set_and_stop_them(client, server, tmp_path):
@@ -240,7 +248,6 @@ def test_worker_scripts_start_one_worker_per_device_set_and_stop_them(client, se
 # -- moving cells -----------------------------------------------------------------------------------------
 def test_move_cell_moves_limits_and_records_the_retag_history(client):
     from gyre_ops.cells import current_queue, move_cell, place_cell, retag_history, variable_name
-    from gyre_ops.pools import PoolError
 
     pool = "gyre-cells"
     spec = _spec(pool)
@@ -320,10 +327,31 @@ def test_an_elastic_run_records_each_cells_roles_as_queue_moves(client):
     assert all("train_after" in r and r["switch_s"] >= 0 for r in moves)   # the decision rides along
     assert {q: _queues(client, pool)[q].concurrency_limit for q in start} == start
 
+    assert all(h["flow_run"] is None for i in range(cfg.cells) for h in retag_history(client, f"run-e1-c{i}"))
     quiet = []
     off = RoleRecorder("x", pool="no-such-pool", client=client, say=quiet.append)
     off(0, "rollout", {"placed": True})
     assert off.close() == [] and len(quiet) == 1 and "'no-such-pool'" in quiet[0]
+
+
+def test_a_prefect_cell_launch_that_cannot_work_is_refused_with_what_to_do(client):
+    """elastic.launch=prefect checks the pool, its cell queues and the `cell-agent` deployment before anything
+    starts (the limit check needs the deployment: tests/integration/test_stack.py refuses 5 cells there)."""
+    from gyre_ops.cell_runs import check_launch
+
+    with pytest.raises(PoolError, match="work pool 'no-pool' does not exist"):
+        check_launch(2, "no-pool", client=client)
+    ensure_pools(client, _spec("gyre-launch"))
+    with pytest.raises(PoolError, match="'gyre-cell-agent/cell-agent' does not exist.*elastic.launch=process"):
+        check_launch(2, "gyre-launch", client=client)
+
+
+def test_cell_names_and_role_tags():
+    from gyre_ops.cells import cell_run_name, role_tags
+
+    assert cell_run_name("Smoke-s0", 3) == "smoke-s0-c3" and cell_run_name("a.b/c", 0) == "a-b-c-c0"
+    assert role_tags(["gyre", "role:rollout", "x"], "train") == ["gyre", "x", "role:train"]
+    assert role_tags([], "rollout") == ["role:rollout"]
 
 
 # -- the compose file, as data ----------------------------------------------------------------------------

@@ -35,7 +35,9 @@ def _free_port() -> int:
 def stack(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("stack")
     # heartbeats come every 30 s; 60 s of silence marks a run Crashed (the shipped default is 90 s)
-    spec = StackSpec(home=tmp / "home", prefect_port=_free_port(), mlflow_port=_free_port(), zombie_after_s=60)
+    # two CPU cell workers run the cell agents of elastic.launch=prefect
+    spec = StackSpec(home=tmp / "home", prefect_port=_free_port(), mlflow_port=_free_port(), zombie_after_s=60,
+                     device_sets=["cpu", "cpu"])
     state = up(spec, say=lambda m: None)
     try:
         yield spec, state, tmp
@@ -109,6 +111,56 @@ def test_bad_parameters_fail_fast_with_the_config_error(stack):
     # the config was refused before the first task (nothing was prepared, no model was built)
     assert not [t for t in tasks if t.flow_run_id == fr.id]
     assert "rl.lr" in (fr.state.message or "") or "rl.lr" in str(fr.state.result(raise_on_failure=False))
+    # cells that the rollout queue cannot admit are refused before anything is prepared
+    too_many = ["elastic.enabled=true", "elastic.launch=prefect", "elastic.cells=5", f"run.out_root={tmp}/runs",
+                "run.name=toomany"]
+    fr = _run(spec, "gyre-train/train", {"preset": "smoke", "overrides": too_many}, timeout=300)
+    assert fr.state.is_failed()
+    assert "admits 4 cell(s)" in str(fr.state.result(raise_on_failure=False))
+    assert not (tmp / "runs" / "toomany").exists()
+
+
+def test_elastic_cells_run_as_flow_runs_of_the_cell_agent_deployment(stack):
+    """elastic.launch=prefect: each cell agent is a flow run of `cell-agent` on queue `rollout`, run by a cell
+    worker, a subflow of the train run; its role tag and the retag events follow the coordinator's switches."""
+    spec, _, tmp = stack
+    ov = _overrides(tmp, "celltest") + ["elastic.enabled=true", "elastic.launch=prefect", "elastic.cells=2",
+                                        "elastic.micro_step_executions=2", "elastic.capacity=4"]
+    fr = _run(spec, "gyre-train/train", {"preset": "smoke", "overrides": ov, "steps": 2})
+    assert fr.state.is_completed(), fr.state
+    client = _client(spec)
+    from prefect.client.schemas.filters import DeploymentFilter, DeploymentFilterId
+
+    from gyre_ops.cells import retag_history
+
+    dep = client.read_deployment_by_name("gyre-cell-agent/cell-agent")
+    cells = sorted(client.read_flow_runs(deployment_filter=DeploymentFilter(id=DeploymentFilterId(any_=[dep.id]))),
+                   key=lambda r: r.name)
+    assert [c.name for c in cells] == ["celltest-c0", "celltest-c1"]
+    for c in cells:
+        assert c.state.is_completed() and c.work_queue_name == "rollout"
+        assert client.read_task_run(c.parent_task_run_id).flow_run_id == fr.id       # a subflow of this run
+        assert {"gyre", "gyre-cell", "gyre-run:celltest", "role:rollout"} <= set(c.tags)   # home again
+    summary = json.loads((tmp / "runs" / "celltest" / "elastic" / "summary.json").read_text())
+    assert summary["launch"] == "prefect" and summary["dead_cells"] == [] and summary["switches"] >= 1
+    for i, c in enumerate(cells):
+        # the coordinator's own switch marks are the reference: placed, each switch, then home
+        expected, cur = [("gyre.cell.placed", None, "rollout")], "rollout"
+        for src, dst in [(m[2], m[3]) for m in summary["switch_marks"] if m[0] == i] + [(None, "rollout")]:
+            if dst != cur:
+                expected.append(("gyre.cell.retagged", cur, dst))
+                cur = dst
+        history = retag_history(client, f"celltest-c{i}")
+        assert [(h["event"], h["from_queue"], h["to_queue"]) for h in history] == expected
+        assert {h["flow_run"] for h in history} == {str(c.id)}
+    limits = {q.name: q.concurrency_limit for q in client.read_work_queues(work_pool_name="gyre")}
+    assert (limits["rollout"], limits["train"]) == (4, 0)          # infra/pools.yaml's again
+    assert not [b for b in client.read_block_documents() if b.name.startswith("gyre-cell-key-")]
+    from gyre_core.lake.sql import connect
+
+    con = connect(str(tmp / "lake"), run_id="celltest")
+    assert con.execute("SELECT step, count(*) FROM executions WHERE split = 'train' GROUP BY 1 ORDER BY 1"
+                       ).fetchall() == [(0, 8), (1, 8)]
 
 
 def test_a_killed_run_is_marked_crashed_and_a_retry_resumes_it_exactly(stack):
