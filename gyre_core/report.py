@@ -73,7 +73,7 @@ def summarize(run_dir: str, started_at: float | None = None) -> dict:
         "process": sum(m.get("time/process_s", 0.0) for m in per_step),
         "train": sum(m.get("time/train_s", 0.0) for m in per_step),
         "publish": sum(m.get("time/publish_s", 0.0) for m in per_step),
-        "elastic": el.get("wall_s", 0.0),
+        "elastic": el.get("rl_wall_s", 0.0),      # across resumed invocations
         "control": ctrl.get("wall_s", 0.0),
     }
     for k in (("rollout", "score", "process", "train", "publish") if el else ("elastic",)):

@@ -721,11 +721,14 @@ def elastic_rl(run_dir: str, on_role=None, launcher=None) -> dict:
     agents: None starts them as local processes; `elastic.launch=prefect` needs the Prefect task's
     `gyre_ops.cell_runs.PrefectCellLauncher`.
 
-    Rollout, scoring and training overlap here, so there are no per-phase markers: the cells publish
-    every version into the run's weights, and when the run ends each version gets its `publish_` marker,
-    each step's executions land in the lake as the step-by-step loop writes them, and MLflow gets the
-    per-step metrics, the role timeline, the busy fractions and the controller's decisions. A crash
-    redoes the elastic phase from the warm start."""
+    Rollout, scoring and training overlap here, so there are no per-phase markers. As each version v is
+    published, step v−1 is finished: its executions land in the lake as the step-by-step loop writes them,
+    MLflow gets its metrics, and it gets its `publish_` marker (`_elastic_step_done`). A crash therefore
+    loses only the steps in flight: rerunning resumes at the newest published version — the cells load
+    its weights, the bursts continue from its step (same tasks and seeds), and the core's optimizer starts
+    afresh from those weights (Adam's moments are not published; the summary's `resumed_from` says where).
+    At the end MLflow gets the role timeline, the busy fractions and the controller's decisions (of the
+    last invocation)."""
     run = RunDir.open(run_dir)
     if (m := run.done("elastic")) is not None:
         return m
@@ -740,52 +743,67 @@ def elastic_rl(run_dir: str, on_role=None, launcher=None) -> dict:
     if cfg.elastic.launch == "prefect" and launcher is None:
         raise ConfigError("elastic.launch=prefect: cell agents start as Prefect flow runs, which only the train "
                           "flow's elastic-rl task creates (`gyre train`, or the `train` deployment)")
-    t0 = time.time()
-    work = HarnessWork(run_dir, cfg.rl.steps)
-    with phase(f"elastic RL: {cfg.rl.steps} steps on {cfg.elastic.cells} {cfg.elastic.mode} cells "
-               f"({cfg.elastic.policy})", cfg.rl.steps) as tick:
-        res = run_elastic(cfg.elastic, work, on_version=lambda v: tick(), on_role=on_role, launcher=launcher)
-    by_step: dict[int, list] = {}
-    for r in work.records:
-        by_step.setdefault(r.step, []).append(r)
+    start = latest_version(run)                 # steps before it finished in an earlier invocation
+    work = HarnessWork(run_dir, cfg.rl.steps, first_step=start)
     t = tracker(run)
-    for step in range(cfg.rl.steps):
-        recs = by_step.get(step, [])
-        _write_records(run, f"step={step}", recs)
-        n = max(len(recs), 1)
-        metrics = {"rollout/executions": len(recs), "rollout/success": sum(r.success for r in recs) / n,
-                   "rollout/partial": sum(r.partial for r in recs) / n,
-                   "reward/mean": sum(r.reward for r in recs) / n,
-                   "rollout/failed": sum(r.status == "failed" for r in recs),
-                   "tokens/generated": sum(r.tokens_generated for r in recs),
-                   "time/elastic_step_s": res.step_s}
-        ts = res.train_stats.get(step, {})     # summed over the step's micro-steps, on every cell
-        tok = max(ts.get("tokens", 0.0), 1.0)
-        # the loss as the step loop reports it (micro-steps sum per-execution means; the update divides
-        # by the executions trained); behaviour vs trained log-probs are not compared here: with
-        # staleness they differ by design (decoupled PPO's IS weight covers that)
-        metrics.update({"tokens/trained": ts.get("tokens", 0.0),
-                        "train/loss": ts.get("loss", 0.0) / max(ts.get("executions", 0.0), 1.0),
-                        "train/entropy": ts.get("entropy", 0.0) / tok,
-                        "train/clip_frac_in_update": ts.get("clip_frac", 0.0) / tok,
-                        "train/is_truncated": ts.get("is_truncated", 0.0) / tok})
-        t.log_metrics(metrics, step)
-        run.mark(f"publish_{step + 1:04d}", {"uri": run.weights_uri(step + 1), "metrics": metrics})
-    summary = {k: v for k, v in res.to_dict().items() if k != "decisions"}
-    summary["switch_marks"] = [[cell, round(t, 3), src, dst] for cell, t, src, dst in res.switch_marks]
-    t.log_metrics({f"elastic/busy_{k}": v for k, v in res.busy.items() if v is not None}
-                  | {"elastic/step_s": res.step_s, "elastic/switches": res.switches,
-                     "elastic/reroutes": res.reroutes, "elastic/stale_dropped": res.stale_dropped,
-                     "elastic/start_s": res.start_s}, 0)
-    out = run.path / "elastic"
-    out.mkdir(exist_ok=True)
-    res.plot(str(out / "role_timeline.png"))
-    (out / "decisions.json").write_text(json.dumps([d.to_dict() for d in res.decisions], indent=1))
-    (out / "summary.json").write_text(json.dumps(summary, indent=1))
-    for f in ("role_timeline.png", "decisions.json", "summary.json"):
-        t.log_artifact(out / f, "elastic")
-    summary["rl_wall_s"] = time.time() - t0     # agents' start-up and the writes after included
+    last = [time.time()]
+    with phase(f"elastic RL: {cfg.rl.steps} steps on {cfg.elastic.cells} {cfg.elastic.mode} cells "
+               f"({cfg.elastic.policy})" + (f", resuming at step {start}" if start else ""), cfg.rl.steps) as tick:
+        for _ in range(start):
+            tick()
+
+        def published(version: int, stats: dict) -> None:
+            now = time.time()
+            _elastic_step_done(run, t, version - 1, work.take_records(version - 1), stats, now - last[0])
+            last[0] = now
+            tick()
+
+        res = (run_elastic(cfg.elastic, work, on_version=published, on_role=on_role, launcher=launcher)
+               if start < cfg.rl.steps else None)
+    summary = {k: v for k, v in res.to_dict().items() if k != "decisions"} if res else {}
+    summary["resumed_from"] = start
+    if res is not None:
+        summary["switch_marks"] = [[cell, round(t_, 3), src, dst] for cell, t_, src, dst in res.switch_marks]
+        t.log_metrics({f"elastic/busy_{k}": v for k, v in res.busy.items() if v is not None}
+                      | {"elastic/step_s": res.step_s, "elastic/switches": res.switches,
+                         "elastic/reroutes": res.reroutes, "elastic/stale_dropped": res.stale_dropped,
+                         "elastic/start_s": res.start_s}, 0)
+        out = run.path / "elastic"
+        out.mkdir(exist_ok=True)
+        res.plot(str(out / "role_timeline.png"))
+        (out / "decisions.json").write_text(json.dumps([d.to_dict() for d in res.decisions], indent=1))
+        (out / "summary.json").write_text(json.dumps(summary, indent=1))
+        for f in ("role_timeline.png", "decisions.json", "summary.json"):
+            t.log_artifact(out / f, "elastic")
+    # the phase's wall time across invocations: each step's (from the previous publish, or from this
+    # invocation's start: agents' start-up included), and the writes after the last
+    steps_s = sum(run.done(f"publish_{v:04d}")["metrics"]["time/elastic_step_s"] for v in range(1, cfg.rl.steps + 1))
+    summary["rl_wall_s"] = steps_s + (time.time() - last[0])
     return run.mark("elastic", summary)
+
+
+def _elastic_step_done(run: RunDir, t, step: int, recs: list, ts: dict, step_s: float) -> None:
+    """Land a finished elastic step: its executions in the lake, its metrics in MLflow, its `publish_`
+    marker last (the marker is what a resumed run trusts)."""
+    _write_records(run, f"step={step}", recs)
+    n = max(len(recs), 1)
+    metrics = {"rollout/executions": len(recs), "rollout/success": sum(r.success for r in recs) / n,
+               "rollout/partial": sum(r.partial for r in recs) / n,
+               "reward/mean": sum(r.reward for r in recs) / n,
+               "rollout/failed": sum(r.status == "failed" for r in recs),
+               "tokens/generated": sum(r.tokens_generated for r in recs),
+               "time/elastic_step_s": step_s}
+    tok = max(ts.get("tokens", 0.0), 1.0)      # `ts`: summed over the step's micro-steps, on every cell
+    # the loss as the step loop reports it (micro-steps sum per-execution means; the update divides
+    # by the executions trained); behaviour vs trained log-probs are not compared here: with
+    # staleness they differ by design (decoupled PPO's IS weight covers that)
+    metrics.update({"tokens/trained": ts.get("tokens", 0.0),
+                    "train/loss": ts.get("loss", 0.0) / max(ts.get("executions", 0.0), 1.0),
+                    "train/entropy": ts.get("entropy", 0.0) / tok,
+                    "train/clip_frac_in_update": ts.get("clip_frac", 0.0) / tok,
+                    "train/is_truncated": ts.get("is_truncated", 0.0) / tok})
+    t.log_metrics(metrics, step)
+    run.mark(f"publish_{step + 1:04d}", {"uri": run.weights_uri(step + 1), "metrics": metrics})
 
 
 def tracker(run: RunDir):

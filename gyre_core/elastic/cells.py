@@ -126,7 +126,9 @@ class RealDevice:
 
     label = "real"
 
-    def __init__(self, cell: int, policy_dir: str, weights_root: str, train: dict, seed: int) -> None:
+    def __init__(self, cell: int, policy_dir: str, weights_root: str, train: dict, seed: int,
+                 start_version: int = 0) -> None:
+        """`start_version` > 0: a resumed run; the cell starts from that published version's weights."""
         from ..engine import LocalEngine
         from ..model import load_policy, stop_token_ids
 
@@ -135,10 +137,11 @@ class RealDevice:
         self.pad_id = tok.pad_token_id or 0
         self.engine = LocalEngine(model, stop_token_ids(model, tok), version=0, seed=seed * 1_000_003 + cell)
         self.stops = set(self.engine.stop_ids)
+        self.version = 0          # the weights this cell computes with
+        self.published = start_version   # the newest version the core has published
+        self._sync()              # before the trainer: its optimizer copies the weights it starts from
         self.trainer = None
         self._trainer()           # both roles stay resident (as on a GPU): a switch moves no weights
-        self.version = 0          # the weights this cell computes with
-        self.published = 0        # the newest version the core has published
 
     # -- weights ---------------------------------------------------------------------------------
     def set_version(self, version: int) -> None:
@@ -344,6 +347,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--weights", help="real: where versions are published (v<N>.safetensors)")
     ap.add_argument("--train-json", default="{}", help="real: trainer settings (lr, clip, ...) as JSON")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--start-version", type=int, default=0, help="real: start from this published version")
     args = ap.parse_args(argv)
     host, port = args.coordinator.rsplit(":", 1)
     key = os.environ.get(args.authkey_env, "").encode()
@@ -359,7 +363,8 @@ def main(argv: list[str] | None = None) -> int:
         if not (args.policy and args.weights):
             print("gyre cell: --mode real needs --policy and --weights", file=sys.stderr)
             return 2
-        device = RealDevice(args.cell, args.policy, args.weights, json.loads(args.train_json), args.seed)
+        device = RealDevice(args.cell, args.policy, args.weights, json.loads(args.train_json), args.seed,
+                            args.start_version)
         device.cell_is_core = args.cell == 0
     else:
         device = EmulatedDevice()

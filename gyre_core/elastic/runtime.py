@@ -151,8 +151,9 @@ class ProcessLauncher:
 class Coordinator:
     def __init__(self, ecfg: ElasticConfig, work, *, kill_cell_at: tuple[int, float] | None = None,
                  policy=None, on_version=None, on_role=None, launcher=None):
-        """`work`: an `EmulatedWork` or a `HarnessWork` (or a `Workload`, emulated); `on_version(v)` is
-        called as each version is published (progress); `on_role(cell, role, reason)` once per cell with its
+        """`work`: an `EmulatedWork` or a `HarnessWork` (or a `Workload`, emulated); it starts at burst
+        `work.first_step` (a resumed run: weights of that version are published). `on_version(v, stats)` is
+        called as each version is published, with the summed statistics of the micro-steps that made it; `on_role(cell, role, reason)` once per cell with its
         starting role (reason {"placed": True}) and after every finished switch (reason: the controller's
         decision), from the main loop: it must not block (`gyre_ops.cells.RoleRecorder` queues to Prefect).
         `launcher` starts the agents (default `ProcessLauncher`; see the module's docstring)."""
@@ -168,8 +169,8 @@ class Coordinator:
         self.order: list[int] = []            # alive cells, core first
         self.router = Router(ecfg.capacity, self._send, self._on_rollout_busy)
         self.stream = MicroStepQueue(ecfg.micro_step_executions, self.staleness)
-        self.version = 0
-        self.next_burst = 0
+        self.first = getattr(self.work, "first_step", 0)   # a resumed run: versions before it are published
+        self.version = self.next_burst = self.first
         self.dispatched = self.finished = 0
         self.updating = False
         self.t0 = 0.0
@@ -448,11 +449,11 @@ class Coordinator:
             c.busy = self.updating = False
             self.version = msg[1]
             self.optim_s.append(msg[2])
-            if self.on_version is not None:
-                self.on_version(self.version)
             for i in self.order:
                 if i != cell:
                     self._send(i, ("weights", self.version))
+            if self.on_version is not None:    # after the others heard: landing a step may take a moment
+                self.on_version(self.version, self.train_stats.get(self.version - 1, {}))
         elif kind == "dead":
             self._lose(cell, msg[1])
 
@@ -518,8 +519,8 @@ class Coordinator:
     def _result(self, wall: float) -> ElasticResult:
         k = self.cfg.cells
         return ElasticResult(
-            policy=self.policy.name, mode=self.work.mode, k=k, steps=self.work.steps, wall_s=wall,
-            step_s=wall / max(self.work.steps, 1), busy=busy_fractions(self.role_spans, self.busy_spans, k, wall),
+            policy=self.policy.name, mode=self.work.mode, k=k, steps=self.work.steps - self.first, wall_s=wall,
+            step_s=wall / max(self.work.steps - self.first, 1), busy=busy_fractions(self.role_spans, self.busy_spans, k, wall),
             switch_s_rollout_to_train=_mean(self.switch_s[TRAIN]), switch_s_train_to_rollout=_mean(self.switch_s[ROLLOUT]),
             switches=len(self.marks), reroutes=self.router.reroutes, dead_cells=list(self.dead),
             stale_dropped=self.stream.dropped_stale, decisions=self.decisions, role_spans=self.role_spans,

@@ -119,12 +119,13 @@ class HarnessWork:
 
     mode = "real"
 
-    def __init__(self, run_dir: str, steps: int) -> None:
+    def __init__(self, run_dir: str, steps: int, first_step: int = 0) -> None:
+        """Bursts `first_step` .. `steps` − 1; a resumed run starts at its newest published version."""
         from ..run import RunDir
 
         self.run = RunDir.open(run_dir)
         self.cfg = self.run.cfg
-        self.steps, self.threads = steps, self.cfg.elastic.devices_per_cell
+        self.steps, self.first_step, self.threads = steps, first_step, self.cfg.elastic.devices_per_cell
         self.switch_to_train_s = self.switch_to_rollout_s = 0.0    # real cells do the real work
         self.records: list = []
         self._groups: dict[str, list] = {}
@@ -136,8 +137,15 @@ class HarnessWork:
                  "temperature": cfg.rollout.temperature, "clip_low": rl.clip_low, "clip_high": rl.clip_high,
                  "is_cap": cfg.elastic.is_cap, "negative_scale": rl.negative_scale, "micro_batch_tokens": rl.micro_batch_tokens}
         return ["--mode", "real", "--policy", str(self.run.warm), "--weights",
-                self.cfg.trainer.publish_root or str(self.run.path / "weights"),
+                self.cfg.trainer.publish_root or str(self.run.path / "weights"), "--start-version", str(self.first_step),
                 "--train-json", json.dumps(train), "--seed", str(cfg.run.seed), "--threads", str(self.threads)]
+
+    def take_records(self, step: int) -> list:
+        """The finished executions of `step`, handed over once (its version is published: all are in)."""
+        with self._lock:
+            mine = [r for r in self.records if r.step == step]
+            self.records = [r for r in self.records if r.step != step]
+        return mine
 
     def burst_size(self, s: int) -> int:
         return self.cfg.rollout.tasks_per_step * self.cfg.rollout.group_size
