@@ -257,6 +257,9 @@ class ElasticConfig(_Section):
     """Finished executions per streamed micro-step."""
     cell_timeout_s: float = Field(30.0, gt=0)
     """A cell agent silent for this long is declared dead: its calls are retried, its micro-steps reclaimed."""
+    stuck_timeout_s: float = Field(600.0, gt=0)
+    """A cell whose agent has been inside one piece of work (a decoding step, a micro-step, an update) this
+    long is declared dead although its heartbeats still come (a hung kernel or collective)."""
     start_timeout_s: float = Field(300.0, gt=0)
     """How long the coordinator waits for every cell agent to connect (loading a model can take a while)."""
     launch: Literal["process", "prefect"] = "process"

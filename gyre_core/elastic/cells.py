@@ -258,16 +258,20 @@ class Agent:
         self.gens: dict[int, _Gen] = {}
         self._send_lock = threading.Lock()
         self._stopped = threading.Event()
+        self.busy_since: float | None = None    # when the main loop started its current piece of work
 
     def send(self, *msg) -> None:
         with self._send_lock:
             self.conn.send(msg)
 
     def _heartbeat(self) -> None:
-        """Beats from their own thread, so a long micro-step or update does not look like a dead cell."""
+        """Beats from their own thread, so a long micro-step or update does not look like a dead cell;
+        each beat says how long the main loop has been inside its current piece of work (0 when idle),
+        so a loop that hangs there does not hide behind the beats (`elastic.stuck_timeout_s`)."""
         while not self._stopped.wait(HEARTBEAT_S):
+            t0 = self.busy_since
             try:
-                self.send("beat", time.time())
+                self.send("beat", time.time(), 0.0 if t0 is None else time.monotonic() - t0)
             except (OSError, EOFError):
                 return
 
@@ -291,10 +295,14 @@ class Agent:
             due = self.device.due(list(self.gens.values()))
             timeout = HEARTBEAT_S if due is None else max(0.0, min(due - now, HEARTBEAT_S))
             if self.conn.poll(timeout):
-                if not self._handle(self.conn.recv()):
+                msg = self.conn.recv()
+                self.busy_since = time.monotonic()
+                if not self._handle(msg):
                     return
+            self.busy_since = time.monotonic()
             for g in self.device.advance(list(self.gens.values()), time.monotonic()):
                 self._finish(g, self.device.finish_reason(g))
+            self.busy_since = None
 
     def _handle(self, msg: tuple) -> bool:
         kind, t0 = msg[0], time.monotonic()

@@ -24,6 +24,10 @@ from typing import Callable
 from .cells import CallRequest
 
 
+class RouterAborted(RuntimeError):
+    """The run ended (or failed) while an execution was waiting on a call."""
+
+
 @dataclass(slots=True)
 class Completion:
     ids: list[int]
@@ -67,6 +71,7 @@ class Router:
         self._binding: dict[str, int] = {}
         self._waiting: deque[_Call] = deque()
         self._next_id = 0
+        self._aborted: str | None = None
         self.reroutes = 0
         self.call_s: list[float] = []     # each answered call's latency as its execution saw it
 
@@ -74,14 +79,30 @@ class Router:
     def call(self, execution_id: str, req: CallRequest) -> Completion:
         t0 = time.monotonic()
         with self._lock:
+            if self._aborted:
+                raise RouterAborted(self._aborted)
             self._next_id += 1
             c = _Call(self._next_id, execution_id, req)
             self._waiting.append(c)
             self._pump()
         c.done.wait()
-        assert c.result is not None
+        if c.result is None:
+            raise RouterAborted(self._aborted or "aborted")
         self.call_s.append(time.monotonic() - t0)   # wait for a slot included: what the execution sees
         return c.result
+
+    def abort(self, why: str) -> None:
+        """The run is over: every call still waiting or in flight raises `RouterAborted(why)` in its
+        execution's thread, and so does every later call (no thread stays blocked on a dead run)."""
+        with self._lock:
+            self._aborted = why
+            pending = list(self._waiting) + [c for st in self._cells.values() for c in st.inflight.values()]
+            self._waiting.clear()
+            for st in self._cells.values():
+                st.inflight.clear()
+                st.open = False
+        for c in pending:
+            c.done.set()
 
     def release(self, execution_id: str) -> None:
         """The execution finished: free its slot."""

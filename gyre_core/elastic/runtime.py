@@ -32,7 +32,8 @@ import threading
 import time
 from dataclasses import dataclass, field
 from typing import Protocol
-from multiprocessing.connection import Listener
+from multiprocessing import AuthenticationError
+from multiprocessing.connection import Client, Listener
 
 from ..config import ConfigError, ElasticConfig
 from .cells import emulated_token  # noqa: F401  (re-exported for tests)
@@ -59,7 +60,7 @@ class _CellState:
     switch_t0: float = 0.0
     span_t0: float = 0.0
     busy_t0: float = 0.0
-    send_lock: threading.Lock = field(default_factory=threading.Lock)
+    outbox: queue.Queue = field(default_factory=queue.Queue)   # what its writer thread sends, in order
 
 
 @dataclass(slots=True)
@@ -211,14 +212,19 @@ class Coordinator:
             self.busy_spans.append(BusySpan(cell, c.busy_t0, self.now(), ROLLOUT))
 
     def _send(self, cell: int, msg: tuple) -> None:
+        """Queue `msg` for the cell's writer thread: never blocks, so a cell that stops reading (wedged,
+        or its socket buffer full of a large gradient) cannot stall the main loop or the router's lock."""
         c = self.cells[cell]
-        if c.role == "dead":
-            return
-        try:
-            with c.send_lock:
+        if c.role != "dead":
+            c.outbox.put(msg)
+
+    def _writer(self, c: _CellState) -> None:
+        while (msg := c.outbox.get()) is not None:
+            try:
                 c.conn.send(msg)
-        except (OSError, EOFError):
-            self.events.put((cell, ("dead", "connection lost on send")))
+            except (OSError, EOFError, ValueError):     # ValueError: the connection was closed here
+                self.events.put((c.index, ("dead", "connection lost on send")))
+                return
 
     # -- cells -----------------------------------------------------------------------------------
     def _start_cells(self) -> None:
@@ -238,16 +244,45 @@ class Coordinator:
             procs.append(self.launcher.launch(i, args, env))
             self._procs.append(procs[-1])
         arrived: queue.Queue = queue.Queue()
+        stop = threading.Event()
 
         def accept() -> None:
-            for _ in range(self.cfg.cells):
+            accepted = 0
+            while accepted < self.cfg.cells:
                 try:
                     conn = listener.accept()
+                except AuthenticationError:      # a stray dialer with another key: not one of ours
+                    continue
+                except (OSError, EOFError) as e:
+                    arrived.put((None, e))
+                    return
+                if stop.is_set():                # woken by `give_up` below: nobody waits any more
+                    conn.close()
+                    return
+                try:
                     arrived.put((conn, conn.recv()))
                 except (OSError, EOFError) as e:
                     arrived.put((None, e))
                     return
-        threading.Thread(target=accept, daemon=True).start()
+                accepted += 1
+        acceptor = threading.Thread(target=accept, daemon=True)
+        acceptor.start()
+
+        def give_up(why: str) -> None:
+            """Stop the acceptor before closing the listener: a thread still blocked in accept() would
+            otherwise take the next listener that reuses the socket's descriptor (a retry in this process)."""
+            stop.set()
+            try:
+                Client(listener.address, authkey=key.encode()).close()
+            except (OSError, EOFError, AuthenticationError):
+                pass
+            acceptor.join(5)
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+            listener.close()
+            raise RuntimeError(f"gyre elastic: cell agents failed to start: {why}")
+
         deadline = time.monotonic() + self.cfg.start_timeout_s
         while len(self.cells) < self.cfg.cells:
             try:
@@ -257,18 +292,12 @@ class Coordinator:
                 late = time.monotonic() > deadline
                 if failed or late:
                     pending = {i: p for i, p in enumerate(procs) if i not in self.cells}
-                    why = (", ".join(self.launcher.describe(i, procs[i]) for i in failed) if failed else
-                           f"only {len(self.cells)} of {self.cfg.cells} cells connected within "
-                           f"{self.cfg.start_timeout_s:g} s (elastic.start_timeout_s)"
-                           + self.launcher.waiting(pending))
-                    for p in procs:
-                        if p.poll() is None:
-                            p.kill()
-                    listener.close()
-                    raise RuntimeError(f"gyre elastic: cell agents failed to start: {why}")
+                    give_up(", ".join(self.launcher.describe(i, procs[i]) for i in failed) if failed else
+                            f"only {len(self.cells)} of {self.cfg.cells} cells connected within "
+                            f"{self.cfg.start_timeout_s:g} s (elastic.start_timeout_s)" + self.launcher.waiting(pending))
                 continue
             if conn is None:
-                raise RuntimeError(f"gyre elastic: accepting cell agents failed: {hello}")
+                give_up(f"accepting a connection failed: {hello}")
             idx = hello[1]
             self.cells[idx] = _CellState(idx, conn, procs[idx], last_seen=time.monotonic())
         listener.close()
@@ -276,6 +305,7 @@ class Coordinator:
         self.order = sorted(self.cells)
         for c in self.cells.values():
             threading.Thread(target=self._reader, args=(c,), daemon=True).start()
+            threading.Thread(target=self._writer, args=(c,), daemon=True).start()
 
     def _reader(self, c: _CellState) -> None:
         while True:
@@ -288,7 +318,12 @@ class Coordinator:
                 self.events.put((c.index, ("dead", f"unreadable message ({type(e).__name__}: {e})")))
                 return
             c.last_seen = time.monotonic()    # any message is a sign of life, however busy the main loop is
-            if msg[0] == "done":     # answers go straight to the router (executions are waiting on them)
+            if msg[0] == "beat" and len(msg) > 2 and msg[2] > self.cfg.stuck_timeout_s:
+                # the agent's heartbeat thread lives, but its main loop has been inside one piece of work
+                # for too long (a hung kernel or collective): as good as dead
+                self.events.put((c.index, ("dead", f"its agent has been busy in one piece of work for "
+                                                   f"{msg[2]:.0f} s (elastic.stuck_timeout_s)")))
+            elif msg[0] == "done":     # answers go straight to the router (executions are waiting on them)
                 self.router.on_done(c.index, *msg[1:])
                 self.events.put((c.index, ("beat",)))
             else:
@@ -484,6 +519,7 @@ class Coordinator:
             c.proc.kill()          # silent but alive: make sure it cannot act on anything any more
         self.order.remove(cell)
         self.dead.append(cell)
+        c.outbox.put(None)         # its writer stops
         rerouted = self.router.cell_lost(cell)
         reclaimed = self.stream.reclaim(cell)
         note = (f"cell {cell} lost ({why}) at {self.now():.1f} s: {rerouted} call(s) retried elsewhere, "
@@ -502,8 +538,10 @@ class Coordinator:
             raise RuntimeError(f"gyre elastic: every cell is lost (last: cell {cell}, {why})")
 
     def _shutdown(self) -> None:
+        self.router.abort("the elastic run ended")   # executions still waiting on a call get an error
         for i in self.order:
             self._send(i, ("stop",))
+            self.cells[i].outbox.put(None)
         for c in self.cells.values():
             if c.role != "dead":
                 self._set_role(c, c.role)   # close the open span

@@ -94,6 +94,10 @@ def test_a_launcher_starts_the_agents_and_says_why_they_did_not_connect():
         assert args[:2] == ["--cell", str(cell)] and args[2] == "--coordinator" and "--mode" in args
         assert len(env["GYRE_CELL_KEY"]) == 32
     assert launcher.closed
+    # a retry in the same process (a Prefect task retry) starts cleanly: the failed start's acceptor thread
+    # is gone, so it cannot take the new listener's connections with the old key
+    res = Coordinator(ElasticConfig(policy="colocated", cells=2, mode="emulated"), FAST).run()
+    _check_tito(res, FAST)
 
 
 def test_waterlevel_decisions_follow_the_rule():
@@ -143,3 +147,47 @@ def test_losing_the_core_promotes_a_satellite_and_redoes_the_step():
     # after the loss cell 1 trained (it holds the optimizer now) and cell 0 never came back
     assert any(s.cell == 1 and s.role == "train" for s in res.busy_spans)
     assert not any(s.cell == 0 and s.t0 > 0.8 + 0.2 for s in res.busy_spans)
+
+
+def test_an_aborted_router_releases_every_waiting_execution():
+    """A call waiting for a slot, one in flight on a cell, and one made afterwards all raise RouterAborted."""
+    import threading
+
+    from gyre_core.elastic.cells import CallRequest
+    from gyre_core.elastic.router import Router, RouterAborted
+
+    sent = []
+    router = Router(1, lambda cell, msg: sent.append((cell, msg)))
+    router.open(0)
+    errors: dict[str, str] = {}
+
+    def execution(name):
+        try:
+            router.call(name, CallRequest(f"{name}/c0", [1, 2], 4))
+        except RouterAborted as e:
+            errors[name] = str(e)
+    threads = [threading.Thread(target=execution, args=(n,)) for n in ("a", "b")]
+    for th in threads:
+        th.start()
+    while len(sent) < 1:              # "a" is in flight on cell 0; "b" waits (capacity 1)
+        time.sleep(0.01)
+    assert [m[0] for _, m in sent] == ["gen"] and router.inflight(0) == 1
+    router.abort("the run failed")
+    for th in threads:
+        th.join(5)
+    assert errors == {"a": "the run failed", "b": "the run failed"}
+    with pytest.raises(RouterAborted, match="the run failed"):
+        router.call("c", CallRequest("c/c0", [1], 4))
+    assert len(sent) == 1             # nothing more was sent to the cell
+
+
+def test_a_cell_busy_too_long_is_lost_although_it_still_beats():
+    """Micro-steps of ~3 s against elastic.stuck_timeout_s = 1: the agents' heartbeats keep coming (their
+    own thread), but each beat says how long the main loop has been busy, and the coordinator gives up."""
+    slow = Workload(name="slow", executions_per_step=4, steps=1, calls_median=2, calls_sigma=0.0, max_calls=2,
+                    call_s=0.01, env_s=0.0, train_s_per_call=1.5, optimizer_s=0.01, publish_s=0.0,
+                    switch_to_train_s=0.0, switch_to_rollout_s=0.0, seed=1)
+    cfg = ElasticConfig(policy="colocated", cells=2, mode="emulated", capacity=4, micro_step_executions=2,
+                        stuck_timeout_s=1.0, cell_timeout_s=30.0)
+    with pytest.raises(RuntimeError, match=r"every cell is lost .*busy in one piece of work for \d+ s"):
+        Coordinator(cfg, slow).run()
