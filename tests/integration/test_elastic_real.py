@@ -27,6 +27,50 @@ def _logprobs(model, prompt: list[int], completion: list[int], temperature: floa
     return [logp[len(prompt) - 1 + j, t].item() for j, t in enumerate(completion)]
 
 
+def _assert_reference_update(cfg, run, recs, v0: dict, v1: dict) -> None:
+    """Rebuild step 0's update in this process, as the step loop's trainer would make it from the records:
+    the group advantages, each execution's sequences, one accumulation over all of them ÷ N, the clip and
+    the optimizer step; `v1` (published by the cells) must match it. Elements whose gradient is at rounding
+    level may differ by up to two learning rates: Adam's first step maps any gradient to about ±lr, and
+    there the summation order (cells vs one trainer) decides the sign."""
+    from gyre_core.elastic.stream import finish_step
+    from gyre_core.model import load_policy as load
+    from gyre_core.processor.batch import execution_sequences, group_advantages, micro_batches
+    from gyre_core.trainer.engine import Trainer
+
+    rl = cfg.rl
+    ok = [r for r in recs if r.status != "failed"]
+    groups: dict[str, list[str]] = {}
+    for r in ok:
+        groups.setdefault(r.task_id, []).append(r.execution_id)
+    adv = group_advantages({r.execution_id: r.reward for r in ok}, groups, rl.advantage_norm)
+    seqs_of = {r.execution_id: execution_sequences(r, adv[r.execution_id]) for r in ok}
+    kept = [e for e, seqs in seqs_of.items() if any(w for sq in seqs for w in sq.weights)]
+    model, tok = load(str(run.warm))
+    model.load_state_dict(v0, strict=False)
+    ref = Trainer(model, lr=rl.lr, zero_stage=cfg.trainer.zero_stage, grad_clip=rl.grad_clip,
+                  pad_id=tok.pad_token_id or 0)
+    for chunk in micro_batches([sq for e in kept for sq in seqs_of[e]], rl.micro_batch_tokens):
+        ref.micro_step(chunk, 1.0, objective="decoupled", temperature=cfg.rollout.temperature,
+                       clip_low=rl.clip_low, clip_high=rl.clip_high, is_cap=cfg.elastic.is_cap,
+                       negative_scale=rl.negative_scale, last=False)
+    grads = {k: g.clone() for k, g in ref.gradients().items()}
+    assert any(g.abs().max() > 0 for g in grads.values())          # step 0 had a learning signal
+    norm = finish_step(ref, len(kept))          # the pre-clip norm of the summed gradient ÷ N
+    coef = min(1.0, rl.grad_clip / norm) / len(kept)
+    got = dict(ref.model.named_parameters())
+    n_sat = n_all = 0
+    for name, g in grads.items():
+        p, q = got[name].detach(), v1[name].to(got[name].dtype)
+        # Adam's first step moves each weight by lr·ĝ/(|ĝ| + 1e-8): where |ĝ| ≥ 1e-7 that is ±lr within 10%
+        # and float noise in ĝ cannot show; below, the step's size follows ĝ's noise (up to a sign flip)
+        sat = (g * coef).abs() >= 1e-7
+        n_sat, n_all = n_sat + int(sat.sum()), n_all + g.numel()
+        assert torch.allclose(p[sat], q[sat], rtol=0, atol=1e-6), (name, (p - q)[sat].abs().max())
+        assert ((p[~sat] - q[~sat]).abs() <= 2 * rl.lr + 1e-6).all(), name
+    assert n_sat > 0.25 * n_all, (n_sat, n_all)    # tens of thousands of weights compared to 1e-6
+
+
 def test_real_cells_train_with_exact_per_token_versions(tmp_path):
     cfg = load_config("smoke", [
         f"run.out_root={tmp_path}/runs", f"lake.root={tmp_path}/lake", f"tracking.uri=sqlite:///{tmp_path}/m.db",
@@ -77,6 +121,10 @@ def test_real_cells_train_with_exact_per_token_versions(tmp_path):
             assert max(abs(a - b) for a, b in zip(ref, call.logprobs)) < 1e-4
             checked += 1
     assert checked >= 20
+
+    # v1 across processes (two cells' micro-steps, the satellite's gradients shipped as arrays to the core)
+    # equals the update one trainer in this process makes on the same step-0 executions from v0
+    _assert_reference_update(cfg, run, records[0], weights[0], weights[1])
 
     # evaluation reads the final version; the summary counts the elastic phase's executions and tokens
     assert st.evaluate(run_dir, "after")["version"] == STEPS
