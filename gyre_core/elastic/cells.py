@@ -13,6 +13,7 @@ connects to the coordinator, says hello, and then serves messages until told to 
                                      ("micro_done", ms_id, seconds, satellite's gradient or None, stats)
     ("optim", version, work)         the core only: apply the step's update and publish version+1
     ("weights", version)             a newer policy was published (read it at the next call / micro-step)
+    ("release", key)                 the harness is done with a context: drop its K/V cache
     ("stop",)
 
 and sends ("done", call_id, ids, logprobs, versions, reason) per call, plus ("beat", t) heartbeats.
@@ -335,6 +336,8 @@ class Agent:
             self.send("optim_done", msg[1] + 1, time.monotonic() - t0)
         elif kind == "weights":
             self.device.set_version(msg[1])
+        elif kind == "release":          # the harness is done with this context: free its K/V
+            self.device.release(msg[1])
         elif kind == "core":             # this cell now holds the optimizer (the old core was lost)
             self.device.become_core()
         elif kind == "stop":

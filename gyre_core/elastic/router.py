@@ -3,6 +3,7 @@
     router = Router(capacity=8, send=coordinator.send, clock=time.monotonic)
     router.open(0); router.open(1)
     completion = router.call("exec-7", CallRequest(key, prompt, 8))   # blocks; survives role switches
+    router.forget(key)                                              # its context is done: free the K/V
     router.release("exec-7")                                        # the execution finished
 
 An execution is bound to one rollout cell while it runs (its KV cache lives there); a cell holds at
@@ -72,6 +73,7 @@ class Router:
         self._waiting: deque[_Call] = deque()
         self._next_id = 0
         self._aborted: str | None = None
+        self._key_cell: dict[str, int] = {}   # context key -> the cell that last served it (holds its K/V)
         self.reroutes = 0
         self.call_s: list[float] = []     # each answered call's latency as its execution saw it
 
@@ -103,6 +105,15 @@ class Router:
                 st.open = False
         for c in pending:
             c.done.set()
+
+    def forget(self, key: str) -> None:
+        """The harness is done with context `key` (its execution ended, or it compacted into a new one):
+        the cell that served it last drops its K/V cache, if it still rolls out (a switch to training
+        drops every cache anyway). Without this a rollout cell would keep every context it ever served."""
+        with self._lock:
+            cell = self._key_cell.pop(key, None)
+            if cell is not None and self._cells[cell].open:
+                self._send(cell, ("release", key))
 
     def release(self, execution_id: str) -> None:
         """The execution finished: free its slot."""
@@ -211,5 +222,6 @@ class Router:
                 self._on_busy(cell, True)
             st.inflight[c.call_id] = c
             c.cell = cell
+            self._key_cell[c.req.key] = cell
             self._send(cell, ("gen", c.call_id, c.remaining()))
         self._waiting = still

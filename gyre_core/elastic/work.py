@@ -70,6 +70,7 @@ class EmulatedWork:
             log.reroutes += out.reroutes
             prompt += out.ids + [0] * 2          # the completion, then a short observation
             time.sleep(self.w.env_s)
+        router.forget(f"{log.execution_id}/c0")
         router.release(log.execution_id)
         report(log.burst, [(log.execution_id, n_calls, [v for _, _, vs in log.calls for v in vs])])
 
@@ -111,7 +112,7 @@ class RouterPolicy:
                 for o in outs]
 
     def release(self, key: str) -> None:
-        pass   # the router frees an execution's slot when it finishes (HarnessWork does)
+        self.router.forget(key)   # the serving cell drops the context's K/V (the slot: HarnessWork frees it)
 
 
 class HarnessWork:

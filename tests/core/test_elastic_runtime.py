@@ -191,3 +191,46 @@ def test_a_cell_busy_too_long_is_lost_although_it_still_beats():
                         stuck_timeout_s=1.0, cell_timeout_s=30.0)
     with pytest.raises(RuntimeError, match=r"every cell is lost .*busy in one piece of work for \d+ s"):
         Coordinator(cfg, slow).run()
+
+
+def test_a_finished_context_is_released_on_the_cell_that_served_it_last():
+    """A call starts on cell 0, is rerouted to cell 1 when 0 leaves rollout (0 released its copy when it
+    cancelled), and completes there; forgetting the key tells cell 1 only. A key whose cell has left
+    rollout (its caches went with the switch) or that was never served sends nothing."""
+    import threading
+
+    from gyre_core.elastic.cells import CallRequest
+    from gyre_core.elastic.router import Router
+
+    sent = []
+    router = Router(2, lambda cell, msg: sent.append((cell, msg)))
+    router.open(0)
+    out = {}
+    th = threading.Thread(target=lambda: out.setdefault("c", router.call("x", CallRequest("x/c0", [1, 2], 4))))
+    th.start()
+    while not sent:
+        time.sleep(0.01)
+    (cell, (kind, call_id, _)), = sent
+    assert (cell, kind) == (0, "gen")
+    router.open(1)
+    router.close(0)
+    router.on_done(0, call_id, [5], [-0.1], [0], "cancelled")       # 1 of 4 tokens, then rerouted
+    assert sent[-1][0] == 1 and sent[-1][1][0] == "gen" and sent[-1][1][2].max_new_tokens == 3
+    router.on_done(1, sent[-1][1][1], [6, 7, 8], [-0.2] * 3, [1] * 3, "length")
+    th.join(5)
+    assert out["c"].ids == [5, 6, 7, 8] and out["c"].versions == [0, 1, 1, 1]
+    n = len(sent)
+    router.forget("x/c0")
+    assert sent[n:] == [(1, ("release", "x/c0"))]
+    router.forget("x/c0")                      # once only
+    router.forget("never-served/c0")
+    assert len(sent) == n + 1
+    th = threading.Thread(target=lambda: router.call("y", CallRequest("y/c0", [3], 1)))
+    th.start()
+    while len(sent) < n + 2:
+        time.sleep(0.01)
+    router.on_done(1, sent[-1][1][1], [9], [-0.3], [1], "length")
+    th.join(5)
+    router.close(1)                            # cell 1 leaves rollout: its caches go with the switch
+    router.forget("y/c0")
+    assert len(sent) == n + 2
