@@ -8,9 +8,11 @@
    tool's round trip), under each policy from the same warm start; then each policy's final policy is
    evaluated on the same held-out seeds (`eval_success`, beside the warm start's `eval_success_before`;
    each policy's run repeats the same deterministic warm start, so the three start from equal weights).
-   The real colocated run also *calibrates* the emulated fleet: its mean call latency (as executions see
-   it, at the batch sizes that run had), training seconds per trained call, update seconds and switch
-   times become the emulated device's costs. The emulated device does not slow down as more calls share
+   The real colocated run also *calibrates* the emulated fleet: its call latency and environment turn as
+   the executions lived them (`turn_times`: a call's latency at the batch sizes that run had, an
+   execution's first call left out as it includes waiting for a slot; the gap between calls, which holds
+   the harness's own work besides `REAL_LATENCY_S`), training seconds per trained call, update seconds
+   and switch times become the emulated device's costs. The emulated device does not slow down as more calls share
    a cell (the real CPU cell does), and the colocated real run's `sim_rel_err` is measured on the run the
    calibration came from.
 2. **Emulated K = 8** (`emulated`, clearly labelled): the same router, controller, queues and agent
@@ -18,8 +20,10 @@
    `WORKLOAD` (lognormal calls per execution, capped at a timeout, environment latency per call). `async`
    runs at every split in the sweep and reports the best.
 3. **Simulator** (`sim`): `gyre_core.elastic.sim` predicts each policy's `step_s` on the same emulated
-   workload (and, for the real fleet, on the real runs' measured calls per execution); `sim_rel_err` is
-   the largest relative error of predicted vs measured `step_s`.
+   workload, with the call and turn times the emulated colocated run measured (`sim_calibration`:
+   messaging and thread scheduling on two cores lengthen both a little), and for the real fleet on the
+   real runs' calls per execution with the real colocated run's calibration; `sim_rel_err` is the largest
+   relative error of predicted vs measured `step_s` (the colocated runs are the ones calibrated on).
 """
 from __future__ import annotations
 
@@ -72,19 +76,32 @@ def run_real(policy: str, root: str, steps: int, eval_episodes: int) -> dict:
     records = st._read_records(run, "step=0")
     for s in range(1, steps):
         records += st._read_records(run, f"step={s}")
+    times = [[(c.t_start, c.t_end) for c in r.calls] for r in records if r.status != "failed"]
     return {"summary": summary, "wall_s": wall, "records_calls": [r.turns for r in records],
+            "turn_times": turn_times(times),
             "trained_calls": sum(r.turns for r in records if r.status != "failed"),
             "executions_per_step": cfg.rollout.tasks_per_step * cfg.rollout.group_size,
             "eval_success_before": before["sampled"]["success"], "eval_success": after["sampled"]["success"],
             "timeline_png": str(run.path / "elastic" / "role_timeline.png")}
 
 
+def turn_times(executions: list[list[tuple[float, float]]]) -> tuple[float, float]:
+    """(call_s, env_s) as executions lived them, from each execution's calls' (start, end) times: a call's
+    latency (an execution's first call left out: it includes waiting for a slot) and the gap between one
+    call's end and the next one's start (the environment turn, with the harness's own work in it)."""
+    calls = [e - b for ts in executions for b, e in ts[1:]]
+    gaps = [ts[i + 1][0] - ts[i][1] for ts in executions for i in range(len(ts) - 1)]
+    return statistics.mean(calls), statistics.mean(gaps)
+
+
 def calibrate(real: dict, switch: dict) -> Workload:
-    """The emulated device's costs, from a real run: seconds per call, per trained call, per update."""
+    """The emulated device's costs, from a real run: a call's latency and an environment turn as the
+    executions lived them (`turn_times`), seconds per trained call, per update, per switch."""
     s = real["summary"]
     calls = real["trained_calls"]
+    call_s, env_s = real["turn_times"]
     return dataclasses.replace(
-        WORKLOAD, call_s=s["call_s_mean"], train_s_per_call=s["micro_s_total"] / max(calls, 1),
+        WORKLOAD, call_s=call_s, env_s=env_s, train_s_per_call=s["micro_s_total"] / max(calls, 1),
         optimizer_s=s["optim_s_mean"], publish_s=0.0,     # the core publishes inside its update
         switch_to_train_s=switch["to_train"], switch_to_rollout_s=switch["to_rollout"])
 
@@ -152,12 +169,17 @@ def bench_elastic(quick: bool = False, out_dir: str = "data/bench/elastic") -> d
         for p, r in emu.items():
             r.plot(os.path.join(out_dir, f"emulated-{p}.png"))
         emu_step = {p: r.step_s for p, r in emu.items()}
-        sim = {p: simulate(w, K_EMULATED, CAPACITY_EMULATED, p, best if p == "async" else 1, 1, MICRO_EMULATED)
+        # the simulator predicts the emulated fleet from what its colocated run measured per call and per
+        # turn (messaging and thread scheduling on this machine's two cores lengthen both a little)
+        e_call, e_env = turn_times([log.times for log in emu["colocated"].executions])
+        w_sim = dataclasses.replace(w, call_s=e_call, env_s=e_env)
+        sim = {p: simulate(w_sim, K_EMULATED, CAPACITY_EMULATED, p, best if p == "async" else 1, 1, MICRO_EMULATED)
                for p in POLICIES}
         out["emulated"] = {
             "k": K_EMULATED, "capacity": CAPACITY_EMULATED, "steps": w.steps,
             **{p: _policy_figures(r) for p, r in emu.items()},
             "async_split": best, "async_sweep_step_s": {str(s): r.step_s for s, r in sweep.items()},
+            "sim_calibration": {"call_s": e_call, "env_s": e_env},
             **_speedups(emu_step),
             "sim_step_s": {p: r.step_s for p, r in sim.items()},
             "sim_speedup_vs_colocated": sim["colocated"].step_s / sim["elastic"].step_s,

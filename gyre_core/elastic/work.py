@@ -38,6 +38,7 @@ class ExecutionLog:
     burst: int
     calls: list[tuple[int, list[int], list[int]]] = field(default_factory=list)   # (prompt_len, ids, versions)
     reroutes: int = 0
+    times: list[tuple[float, float]] = field(default_factory=list)   # each call's (start, end), monotonic s
 
 
 class EmulatedWork:
@@ -64,8 +65,10 @@ class EmulatedWork:
         prompt: list[int] = [0] * 4
         token_s = self.w.call_s / TOKENS_PER_CALL
         for _ in range(n_calls):
+            t0 = time.monotonic()
             out = router.call(log.execution_id, CallRequest(f"{log.execution_id}/c0", list(prompt),
                                                             TOKENS_PER_CALL, 1.0, token_s))
+            log.times.append((t0, time.monotonic()))
             log.calls.append((len(prompt), out.ids, out.versions))
             log.reroutes += out.reroutes
             prompt += out.ids + [0] * 2          # the completion, then a short observation
