@@ -163,6 +163,10 @@ class RLConfig(_Section):
     their group's mean)."""
     advantage_norm: Literal["none", "std"] = "none"
     """Divide group-relative advantages by the group's reward std (`std`) or not."""
+    advantage_std_floor: float = Field(0.0, ge=0)
+    """`advantage_norm=std`: divide by at least this. A failure earns `partial_reward` × partial, so in a
+    group where every execution failed the std is tiny and ÷ std turns partial-score noise into full-size
+    advantages; a floor (e.g. 0.1) keeps those small. 0: no floor."""
 
 
 class ProcessorConfig(_Section):

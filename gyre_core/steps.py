@@ -491,7 +491,8 @@ def score(run_dir: str, step: int) -> dict:
     for e in ok:
         if kept_as[e["execution_id"]] == e["execution_id"]:
             groups.setdefault(e["task_id"], []).append(e["execution_id"])
-    kept_adv = group_advantages({i: rewards[i] for i in mult}, groups, run.cfg.rl.advantage_norm, dict(mult))
+    kept_adv = group_advantages({i: rewards[i] for i in mult}, groups, run.cfg.rl.advantage_norm, dict(mult),
+                                std_floor=run.cfg.rl.advantage_std_floor)
     adv = {i: kept_adv[k] for i, k in kept_as.items()}      # a duplicate gets its kept twin's advantage
     from .lake.schema import SCORES
 

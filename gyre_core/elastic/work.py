@@ -198,7 +198,7 @@ class HarnessWork:
             del self._groups[rec.task_id]
         ok = [r for r in group if r.status != "failed"]
         adv = group_advantages({r.execution_id: r.reward for r in ok}, {rec.task_id: [r.execution_id for r in ok]},
-                               rl.advantage_norm)
+                               rl.advantage_norm, std_floor=rl.advantage_std_floor)
         items = []
         for r in group:
             try:

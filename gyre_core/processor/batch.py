@@ -58,8 +58,8 @@ def reward_of(success: bool, partial: float, partial_weight: float) -> float:
 
 
 def group_advantages(rewards: dict[str, float], groups: dict[str, list[str]], norm: str,
-                     multiplicity: dict[str, int] | None = None) -> dict[str, float]:
-    """A_i = r_i − mean(group) (÷ group std when norm == "std"; a constant group gets 0).
+                     multiplicity: dict[str, int] | None = None, std_floor: float = 0.0) -> dict[str, float]:
+    """A_i = r_i − mean(group) (÷ max(group std, `std_floor`) when norm == "std"; a constant group gets 0).
 
     `multiplicity` (default 1 each) says how many identical executions a member stands for: the mean
     and std are weighted by it, so they are those of the group with every duplicate present.
@@ -77,7 +77,7 @@ def group_advantages(rewards: dict[str, float], groups: dict[str, list[str]], no
         for m, r in zip(members, rs):
             a = r - mean
             if norm == "std":
-                a = a / (std + 1e-6) if std > 0 else 0.0
+                a = a / max(std + 1e-6, std_floor) if std > 0 else 0.0
             adv[m] = a
     return adv
 

@@ -31,6 +31,15 @@ def test_rewards_and_group_advantages_by_hand():
     adv_s = group_advantages(rewards, {"g1": ["a", "b", "c", "d"], "g2": ["x"]}, "std")
     assert adv_s["a"] == pytest.approx(0.625 / (std + 1e-6))
     assert adv_s["x"] == 0.0
+    # a floor on the std: a group where all failed (partials 0.1, 0.3 → rewards 0.01, 0.03; std 0.01) gets
+    # ±0.01/0.1 = ±0.1 instead of ±1; a group whose std is above the floor is divided as before
+    fails = {"p": reward_of(False, 0.1, 0.1), "q": reward_of(False, 0.3, 0.1)}
+    groups = {"f": ["p", "q"], "g1": ["a", "b", "c", "d"]}
+    both = {**fails, **rewards}
+    assert group_advantages(both, groups, "std")["q"] == pytest.approx(0.01 / (0.01 + 1e-6))
+    floored = group_advantages(both, groups, "std", std_floor=0.1)
+    assert floored["p"] == pytest.approx(-0.1) and floored["q"] == pytest.approx(0.1)
+    assert floored["a"] == pytest.approx(0.625 / (std + 1e-6))          # std 0.38 > 0.1: unchanged
 
 
 def test_sequences_mask_only_generated_tokens_and_weight_two_levels():
