@@ -154,7 +154,8 @@ class Coordinator:
                  policy=None, on_version=None, on_role=None, launcher=None):
         """`work`: an `EmulatedWork` or a `HarnessWork` (or a `Workload`, emulated); it starts at burst
         `work.first_step` (a resumed run: weights of that version are published). `on_version(v, stats)` is
-        called as each version is published, with the summed statistics of the micro-steps that made it; `on_role(cell, role, reason)` once per cell with its
+        called as each version is published, with the summed statistics of the micro-steps that made it;
+        `on_role(cell, role, reason)` once per cell with its
         starting role (reason {"placed": True}) and after every finished switch (reason: the controller's
         decision), from the main loop: it must not block (`gyre_ops.cells.RoleRecorder` queues to Prefect).
         `launcher` starts the agents (default `ProcessLauncher`; see the module's docstring)."""
@@ -277,10 +278,7 @@ class Coordinator:
             except (OSError, EOFError, AuthenticationError):
                 pass
             acceptor.join(5)
-            for p in procs:
-                if p.poll() is None:
-                    p.kill()
-            listener.close()
+            listener.close()            # the agents started are killed by `run`, which handles any failure here
             raise RuntimeError(f"gyre elastic: cell agents failed to start: {why}")
 
         deadline = time.monotonic() + self.cfg.start_timeout_s
@@ -294,7 +292,8 @@ class Coordinator:
                     pending = {i: p for i, p in enumerate(procs) if i not in self.cells}
                     give_up(", ".join(self.launcher.describe(i, procs[i]) for i in failed) if failed else
                             f"only {len(self.cells)} of {self.cfg.cells} cells connected within "
-                            f"{self.cfg.start_timeout_s:g} s (elastic.start_timeout_s)" + self.launcher.waiting(pending))
+                            f"{self.cfg.start_timeout_s:g} s (elastic.start_timeout_s)"
+                            + self.launcher.waiting(pending))
                 continue
             if conn is None:
                 give_up(f"accepting a connection failed: {hello}")
@@ -555,10 +554,10 @@ class Coordinator:
         self.launcher.close()
 
     def _result(self, wall: float) -> ElasticResult:
-        k = self.cfg.cells
+        k, n = self.cfg.cells, self.work.steps - self.first      # the steps this invocation ran
         return ElasticResult(
-            policy=self.policy.name, mode=self.work.mode, k=k, steps=self.work.steps - self.first, wall_s=wall,
-            step_s=wall / max(self.work.steps - self.first, 1), busy=busy_fractions(self.role_spans, self.busy_spans, k, wall),
+            policy=self.policy.name, mode=self.work.mode, k=k, steps=n, wall_s=wall, step_s=wall / max(n, 1),
+            busy=busy_fractions(self.role_spans, self.busy_spans, k, wall),
             switch_s_rollout_to_train=_mean(self.switch_s[TRAIN]), switch_s_train_to_rollout=_mean(self.switch_s[ROLLOUT]),
             switches=len(self.marks), reroutes=self.router.reroutes, dead_cells=list(self.dead),
             stale_dropped=self.stream.dropped_stale, decisions=self.decisions, role_spans=self.role_spans,

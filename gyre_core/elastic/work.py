@@ -141,7 +141,8 @@ class HarnessWork:
                  "temperature": cfg.rollout.temperature, "clip_low": rl.clip_low, "clip_high": rl.clip_high,
                  "is_cap": cfg.elastic.is_cap, "negative_scale": rl.negative_scale, "micro_batch_tokens": rl.micro_batch_tokens}
         return ["--mode", "real", "--policy", str(self.run.warm), "--weights",
-                self.cfg.trainer.publish_root or str(self.run.path / "weights"), "--start-version", str(self.first_step),
+                self.cfg.trainer.publish_root or str(self.run.path / "weights"),
+                "--start-version", str(self.first_step),
                 "--train-json", json.dumps(train), "--seed", str(cfg.run.seed), "--threads", str(self.threads)]
 
     def take_records(self, step: int) -> list:
