@@ -118,7 +118,7 @@ def _hf_dir_in(path: Path) -> Path | None:
     return found[0] if len(found) == 1 else None
 
 
-def _load(ck: Checkpoint):
+def _load(ck: Checkpoint, device: str = "cpu"):
     """(model, tokenizer, weights): a run's initial model and its newest published weights, or the HF dir
     and None."""
     from .model import PolicyLoadError, load_policy
@@ -126,7 +126,7 @@ def _load(ck: Checkpoint):
 
     run = RunDir.open(ck.path) if ck.kind == "run" else None
     try:
-        model, tok = load_policy(str(run.policy0 if run else ck.path))
+        model, tok = load_policy(str(run.policy0 if run else ck.path), device=device)
     except PolicyLoadError as exc:
         raise CheckpointError(f"checkpoint {ck.source!r}: {exc}") from None
     if run is None:
@@ -158,7 +158,7 @@ def evaluate_checkpoint(cfg: GyreConfig, checkpoint: str, label: str = "checkpoi
     t0 = time.time()
     with tempfile.TemporaryDirectory(prefix="gyre-checkpoint-") as tmp:
         ck = download(checkpoint, cfg, tmp) if is_mlflow_uri(checkpoint) else resolve_local(checkpoint, cfg)
-        model, tok, weights = _load(ck)
+        model, tok, weights = _load(ck, cfg.model.device)
         result = _evaluate(cfg, ck, model, tok, weights, label)
     result["warnings"] = _mismatch(cfg, ck)
     result["wall_s"] = time.time() - t0

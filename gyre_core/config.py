@@ -62,6 +62,9 @@ class ModelConfig(_Section):
     """Tiny model: longest context it can address."""
     tokenizer_corpus_episodes: int = Field(200, gt=0)
     """Episodes of environment text used to train the tokenizer."""
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    """Where the policy computes (rollout engine, trainer, evaluation): `auto` is the GPU when torch sees
+    one (CUDA_VISIBLE_DEVICES applies; an elastic cell sees its own slice), else the CPU."""
 
 
 class EnvConfig(_Section):
@@ -167,6 +170,9 @@ class RLConfig(_Section):
     """`advantage_norm=std`: divide by at least this. A failure earns `partial_reward` × partial, so in a
     group where every execution failed the std is tiny and ÷ std turns partial-score noise into full-size
     advantages; a floor (e.g. 0.1) keeps those small. 0: no floor."""
+    entropy_coef: float = Field(0.0, ge=0)
+    """An entropy bonus: the loss subtracts this × the policy's entropy at each trained token, weighted as
+    the policy loss is (0: none). Keeps sampling from collapsing faster than the reward justifies."""
 
 
 class ProcessorConfig(_Section):
@@ -246,7 +252,8 @@ class ElasticConfig(_Section):
     """`real`: each cell agent runs the engine and trainer; `emulated`: the same router, controller, queues
     and agents, with device work replaced by calibrated waits (to show a fleet on a small machine)."""
     devices: int | None = Field(None, gt=0)
-    """Devices available to real cells (None: GPUs from CUDA_VISIBLE_DEVICES / torch, else CPU cores)."""
+    """Devices available to real cells (None: GPUs from CUDA_VISIBLE_DEVICES / torch, else CPU cores). Set
+    above the GPU count, the cells share the GPUs round-robin (e.g. 2 cells on one GPU, to try the path)."""
     devices_per_cell: int = Field(1, gt=0)
     """Devices (GPUs, or CPU threads on a CPU host) each cell agent owns."""
     capacity: int = Field(8, gt=0)

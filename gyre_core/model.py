@@ -145,8 +145,20 @@ def _one_line(e: BaseException) -> str:
     return f"{type(e).__name__}: {text[0] if text else ''}"[:300]
 
 
-def load_policy(path: str | os.PathLike, dtype: torch.dtype = torch.float32):
-    """Load (model, tokenizer) from any HF causal-LM directory; raises PolicyLoadError if it is unusable."""
+def resolve_device(name: str = "auto") -> torch.device:
+    """`model.device`: "auto" is the first visible GPU when torch sees one, else the CPU."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise PolicyLoadError(f"model.device={name}: torch sees no GPU here (torch {torch.__version__}, "
+                              f"CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')}); "
+                              "use model.device=auto or cpu")
+    return torch.device(name)
+
+
+def load_policy(path: str | os.PathLike, dtype: torch.dtype = torch.float32, device: str = "cpu"):
+    """Load (model, tokenizer) from any HF causal-LM directory onto `device` (see `resolve_device`);
+    raises PolicyLoadError if it is unusable."""
     from transformers import AutoModelForCausalLM
 
     path = Path(path)
@@ -169,7 +181,7 @@ def load_policy(path: str | os.PathLike, dtype: torch.dtype = torch.float32):
         raise PolicyLoadError(
             f"policy {path}: tokenizer has {len(tokenizer)} tokens, the model embeds {rows}")
     model.eval()
-    return model, tokenizer
+    return model.to(resolve_device(device)), tokenizer
 
 
 def _load_tokenizer(path: Path):

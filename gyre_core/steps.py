@@ -47,7 +47,7 @@ def _policy(run: RunDir):
     from .model import load_policy, stop_token_ids
 
     def make():
-        model, tok = load_policy(str(run.policy0))
+        model, tok = load_policy(str(run.policy0), device=run.cfg.model.device)
         stops = stop_token_ids(model, tok)
         engine = LocalEngine(model, stops, version=-1, seed=run.cfg.run.seed)
         return engine, tok, ChatFormat(tok), {i: tok.decode([i]) for i in stops}
@@ -226,7 +226,7 @@ def warm_start(run_dir: str) -> str:
         records = _demonstrations(run, seeds, "demo", "warm start: demonstrations")
     _write_records(run, "demos", records)
     good = [r for r in records if r.success]
-    model, tok = load_policy(str(run.policy0))
+    model, tok = load_policy(str(run.policy0), device=cfg.model.device)
     trainer, losses, n_seq = _supervised(run, model, tok, good, "warm start: supervised steps", n_steps=ws.steps)
     save_policy(trainer.model, tok, str(run.warm))
     uri = publish_weights(trainer.state_dict(), run.weights_uri(0))
@@ -344,7 +344,7 @@ def control(run_dir: str, budget_s: float | None = None) -> dict:
     fresh = _demonstrations(run, seeds, "control-demo", "control: demonstrations on the RL tasks")
     _write_records(run, "control-demos", fresh)
     good = [r for r in _read_records(run, "demos") + fresh if r.success]
-    model, tok = load_policy(str(run.warm))
+    model, tok = load_policy(str(run.warm), device=cfg.model.device)
     left = budget - (time.time() - t0)
     trainer, losses, n_seq = _supervised(run, model, tok, good, "control: supervised steps",
                                          budget_s=max(left, 0.0), seed_offset=1)
@@ -593,7 +593,7 @@ def _trainer(run: RunDir, version: int):
     if held is not None and held[1] == version:
         return held[0]
     cfg = run.cfg
-    model, tok = load_policy(str(run.warm))
+    model, tok = load_policy(str(run.warm), device=cfg.model.device)
     trainer = Trainer(model, lr=cfg.rl.lr, zero_stage=cfg.trainer.zero_stage, grad_clip=cfg.rl.grad_clip,
                       pad_id=tok.pad_token_id or 0)
     if version > 0:
@@ -642,7 +642,8 @@ def _train_step(run: RunDir, step: int, batch, t0: float) -> str:
             for k, chunk in enumerate(chunks):
                 st = trainer.micro_step(chunk, batch.normaliser, objective="ppo", temperature=cfg.rollout.temperature,
                                         clip_low=rl.clip_low, clip_high=rl.clip_high,
-                                        negative_scale=rl.negative_scale, last=k == len(chunks) - 1)
+                                        negative_scale=rl.negative_scale, entropy_coef=rl.entropy_coef,
+                                        last=k == len(chunks) - 1)
                 for key, v in st.items():
                     totals[key] = totals.get(key, 0.0) + v
                     if epoch == 0:

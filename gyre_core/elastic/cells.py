@@ -134,7 +134,8 @@ class RealDevice:
         from ..model import load_policy, stop_token_ids
 
         self.cell, self.weights_root, self.train_kw = cell, weights_root.rstrip("/"), dict(train)
-        model, tok = load_policy(policy_dir)
+        model, tok = load_policy(policy_dir, device=self.train_kw.get("device", "cpu"))
+        self.label = f"real/{next(model.parameters()).device}"    # sent in the hello (result.cell_devices)
         self.pad_id = tok.pad_token_id or 0
         self.engine = LocalEngine(model, stop_token_ids(model, tok), version=0, seed=seed * 1_000_003 + cell)
         self.stops = set(self.engine.stop_ids)
@@ -214,7 +215,8 @@ class RealDevice:
         tr, kw = self._trainer(), self.train_kw
         stats = train_micro_step(tr, ms, max_tokens=kw["micro_batch_tokens"], objective="decoupled",
                                  temperature=kw["temperature"], clip_low=kw["clip_low"], clip_high=kw["clip_high"],
-                                 is_cap=kw["is_cap"], negative_scale=kw["negative_scale"])
+                                 is_cap=kw["is_cap"], negative_scale=kw["negative_scale"],
+                                 entropy_coef=kw.get("entropy_coef", 0.0))
         if self.cell_is_core:
             return None, stats
         grads = tr.gradients()          # a satellite: hand the gradient over, start clean

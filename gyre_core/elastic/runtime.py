@@ -92,6 +92,7 @@ class ElasticResult:
     micro_by_cell: dict = field(default_factory=dict)
     launch: str = "process"       # how the agents started (elastic.launch)
     start_s: float = 0.0          # from launching the agents until every one had connected
+    cell_devices: dict = field(default_factory=dict)   # cell -> what it computes on ("emulated", "real/cuda:0")
 
     def plot(self, path: str) -> str:
         """The role timeline of this run as a PNG (cells × time by role, switch ticks, w(t) below)."""
@@ -111,7 +112,8 @@ class ElasticResult:
                 "micro_steps": len(self.micro_s), "micro_s_total": sum(self.micro_s),
                 "optim_s_mean": _mean(self.optim_s),
                 "micro_steps_by_cell": {str(k): v for k, v in sorted(self.micro_by_cell.items())},
-                "launch": self.launch, "start_s": self.start_s}
+                "launch": self.launch, "start_s": self.start_s,
+                "cell_devices": {str(k): v for k, v in sorted(self.cell_devices.items())}}
 
 
 # each cell's trainer is its own process group: a coordinator's torch.distributed settings are not the cells'
@@ -183,6 +185,7 @@ class Coordinator:
         self.switch_s: dict[str, list[float]] = {TRAIN: [], ROLLOUT: []}
         self.threads: list[threading.Thread] = []
         self.notes: list[str] = []
+        self.cell_devices: dict[int, str] = {}
         self.dead: list[int] = []
         self.load: list[tuple[float, int]] = []   # (t, unfinished executions) at every dispatch and finish
         self.micro_s: list[float] = []             # device seconds of each micro-step, as the cell measured
@@ -299,6 +302,7 @@ class Coordinator:
                 give_up(f"accepting a connection failed: {hello}")
             idx = hello[1]
             self.cells[idx] = _CellState(idx, conn, procs[idx], last_seen=time.monotonic())
+            self.cell_devices[idx] = hello[3] if len(hello) > 3 else "?"
         listener.close()
         self.start_s = time.monotonic() - t_launch
         self.order = sorted(self.cells)
@@ -564,11 +568,12 @@ class Coordinator:
             busy_spans=self.busy_spans, switch_marks=self.marks, executions=getattr(self.work, "logs", []),
             notes=self.notes, load=self.load, call_s=list(self.router.call_s), micro_s=self.micro_s,
             optim_s=self.optim_s, train_stats=self.train_stats, micro_by_cell=self.micro_by_cell,
-            launch=self.launcher.name, start_s=self.start_s)
+            launch=self.launcher.name, start_s=self.start_s, cell_devices=dict(self.cell_devices))
 
 
 def _gpu_slices(ecfg: ElasticConfig) -> list[str] | None:
-    """CUDA_VISIBLE_DEVICES for each real cell (consecutive slices of the visible GPUs); None on CPU."""
+    """CUDA_VISIBLE_DEVICES for each real cell (consecutive slices of the visible GPUs, wrapping round
+    when `elastic.devices` declares more than there are: cells then share GPUs); None on CPU."""
     try:
         import torch
 
@@ -579,7 +584,9 @@ def _gpu_slices(ecfg: ElasticConfig) -> list[str] | None:
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     ids = [x for x in visible.split(",") if x] if visible else [str(i) for i in range(torch.cuda.device_count())]
     n = ecfg.devices_per_cell
-    return [",".join(ids[i * n:(i + 1) * n]) for i in range(ecfg.cells)]
+    if not ids:
+        return None
+    return [",".join(dict.fromkeys(ids[(i * n + j) % len(ids)] for j in range(n))) for i in range(ecfg.cells)]
 
 
 def available_devices(ecfg: ElasticConfig) -> tuple[int, str]:

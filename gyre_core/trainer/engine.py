@@ -93,7 +93,8 @@ class Trainer:
 
     def micro_step(self, seqs, normaliser: float, *, objective: str = "ppo", temperature: float = 1.0,
                    clip_low: float = 0.2, clip_high: float = 0.28, negative_scale: float = 1.0,
-                   last: bool = False, is_cap: float = 2.0, prox_logprobs=None) -> dict[str, float]:
+                   last: bool = False, is_cap: float = 2.0, prox_logprobs=None,
+                   entropy_coef: float = 0.0) -> dict[str, float]:
         """Forward + backward of one micro-batch; gradients accumulate until `optimizer_step()`.
 
         `last` marks the final micro-step of the batch (DeepSpeed reduces gradients on it). Returns sums
@@ -103,6 +104,10 @@ class Trainer:
         policy, weight by min(π_prox/μ, `is_cap`). `prox_logprobs` (aligned with the scored entries of
         `seqs`, e.g. from `logprobs(seqs)` before the step's first update) is needed only when a step runs
         more than one epoch; otherwise π_prox is this forward's own log-probs, detached.
+
+        `entropy_coef` > 0 subtracts coef · Σ_t w_t H_t / normaliser (the policy's entropy at each scored
+        token, weighted as the policy loss is): a bonus that keeps the sampling distribution from
+        collapsing faster than the reward justifies.
         """
         c = self._collate(seqs)
         self.engine.set_gradient_accumulation_boundary(last)
@@ -111,13 +116,16 @@ class Trainer:
         if objective == "ppo":
             loss, stats = ppo_clip_loss(logp, c, clip_low, clip_high, normaliser, negative_scale)
         elif objective == "decoupled":
-            prox = None if prox_logprobs is None else torch.as_tensor(prox_logprobs, dtype=torch.float64)
+            prox = None if prox_logprobs is None else torch.as_tensor(prox_logprobs, dtype=torch.float64,
+                                                                          device=self.device)
             loss, stats = decoupled_ppo_loss(logp, c, clip_low, clip_high, normaliser, is_cap=is_cap,
                                              prox_logprobs=prox, negative_scale=negative_scale)
         elif objective == "nll":
             loss, stats = nll_loss(logp, c, normaliser)
         else:
             raise ValueError(f"objective must be 'ppo', 'decoupled' or 'nll', got {objective!r}")
+        if entropy_coef:
+            loss = loss - entropy_coef * (c.weights * entropy.to(c.weights.dtype)).sum() / normaliser
         self.engine.backward(loss)
         self._pending = True
         self._closed = self._closed or last
@@ -150,10 +158,15 @@ class Trainer:
 
     def _collate(self, seqs):
         """Plain sequences, or packed trees (the model is switched to tree attention on first sight)."""
-        c = collate(seqs, self.pad_id)
+        c = collate(seqs, self.pad_id).to(self.device)
         if c.tree is not None:
             ensure_tree_attention(self.model)
         return c
+
+    @property
+    def device(self) -> torch.device:
+        """Where the model lives (DeepSpeed moves it to this rank's GPU when there is one)."""
+        return next(self.model.parameters()).device
 
     def set_lr(self, lr: float) -> None:
         """Learning rate of the next optimizer steps (schedules are the caller's)."""
@@ -243,7 +256,7 @@ class Trainer:
         at the boundary so DeepSpeed runs its own reduction path (ZeRO 1: into its partitions; several
         ranks: the all-reduce) without a real micro-step to attach it to."""
         self.engine.set_gradient_accumulation_boundary(True)
-        ids = torch.full((1, 1), self.pad_id, dtype=torch.long)
+        ids = torch.full((1, 1), self.pad_id, dtype=torch.long, device=self.device)
         out = self.engine(input_ids=ids, attention_mask=torch.ones_like(ids), use_cache=False)
         self.engine.backward(out.logits.sum() * 0.0)
         self._closed = True

@@ -5,6 +5,7 @@ so splitting a batch into micro-steps (or packing it differently) leaves the gra
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -24,6 +25,15 @@ class Collated:
     weights: torch.Tensor        # [N]
     position_ids: torch.Tensor | None = None   # [1, T] depth in the tree (packed trees only)
     tree: object | None = None   # tree_attention.TreeMask of the packed row (packed trees only)
+
+    def to(self, device) -> "Collated":
+        """The same batch with its tensors on `device` (the model's); the tree's index arrays stay on the
+        host: it builds and caches its masks per device itself."""
+        device = torch.device(device)
+        if self.input_ids.device == device:
+            return self
+        kw = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        return Collated(**{k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in kw.items()})
 
     def model_inputs(self) -> dict:
         """Keyword arguments for the HF model: packed trees add depths and the tree for the attention."""

@@ -16,8 +16,9 @@ models forward untouched to the attention function. The registered implementatio
   about sum_i (depth_i + 1) key pairs, not N^2; plain torch ops, so gradients flow.
 - `gyre_tree_dense`: an explicit N x N boolean mask from the interval rule through transformers' own
   sdpa -- the independent reference in tests and the "wasteful" comparison in the bench.
-- `gyre_tree_flex` (GPU): compiled FlexAttention with a block mask built from the same rule.
-- `gyre_tree`: flex when the tensors are on CUDA, sparse otherwise.
+- `gyre_tree_flex` (GPU): compiled FlexAttention with a block mask built from the same rule, the row
+  padded to one of a few lengths (`flex_length`) so that each length compiles once.
+- `gyre_tree`: flex when the tensors are on CUDA (and heads have ≥ 16 dimensions), sparse otherwise.
 
 Without a `gyre_tree` keyword every one of them is exactly transformers' sdpa (same mask function), so
 a model switched to them still runs plain padded batches and generation unchanged.
@@ -76,19 +77,21 @@ class TreeMask:
             depth[i] = depth[p] + 1 if p >= 0 else 0
         return done, sum(depth) + self.n
 
-    def block_mask(self, device):
-        key = ("flex", str(device))
+    def block_mask(self, device, length: int | None = None):
+        """Flex's block mask over `length` (≥ n, default n) positions: padding positions (query or key)
+        attend nothing and are attended by nothing."""
+        length = length or self.n
+        key = ("flex", str(device), length)
         if key not in self._cache:
             from torch.nn.attention.flex_attention import create_block_mask
 
-            n = self.n
-            # padded to whole blocks with 0: flex may evaluate kv beyond N, and q < 0 masks it out
-            se = F.pad(self.subtree_end.to(device), (0, -n % 128))
+            # padded with 0 to whole blocks of `length`: a padded kv is never < its q, a padded q never < se
+            se = F.pad(self.subtree_end.to(device), (0, length - self.n + (-length % 128)))
 
             def tree_mod(b, h, q, kv):
                 return (kv <= q) & (q < se[kv])
 
-            self._cache[key] = create_block_mask(tree_mod, None, None, n, n, device=device,
+            self._cache[key] = create_block_mask(tree_mod, None, None, length, length, device=device,
                                                  _compile=torch.device(device).type == "cuda")
         return self._cache[key]
 
@@ -143,20 +146,36 @@ def _sparse(query, key, value, tree: TreeMask, scaling, dropout):
     return torch.cat(outs, dim=2)
 
 
-_COMPILED_FLEX = None
+FLEX_MIN_HEAD_DIM = 16          # flex's GPU kernel refuses smaller heads
+_COMPILED_FLEX: dict[int, object] = {}
+
+
+def flex_length(n: int) -> int:
+    """The length a packed row is padded to for the compiled flex kernel: 128-token blocks, a power of two
+    of them. The kernel is compiled for static shapes, once per length (on torch 2.11 inductor's flex
+    template finds no kernel for dynamic, unequal query/key lengths), so a run compiles a handful of
+    kernels; the padded blocks are empty in the block mask, which flex skips."""
+    blocks = max(1, -(-n // 128))
+    return 128 * (1 << (blocks - 1).bit_length())
 
 
 def _flex(query, key, value, tree: TreeMask, scaling):
-    global _COMPILED_FLEX
     from torch.nn.attention.flex_attention import flex_attention
 
+    if query.shape[-1] < FLEX_MIN_HEAD_DIM:
+        raise NotImplementedError(f"flex tree attention needs a head dimension of at least {FLEX_MIN_HEAD_DIM}, "
+                                  f"got {query.shape[-1]}; use tree attention 'sparse' (what 'auto' picks)")
+    n = query.shape[2]
+    length = flex_length(n)
     fn = flex_attention
     if query.device.type == "cuda":             # uncompiled flex materialises scores; it is a test path only
-        if _COMPILED_FLEX is None:
-            _COMPILED_FLEX = torch.compile(flex_attention)
-        fn = _COMPILED_FLEX
-    return fn(query, key, value, block_mask=tree.block_mask(query.device), scale=scaling,
-              enable_gqa=query.shape[1] != key.shape[1])
+        if length not in _COMPILED_FLEX:
+            _COMPILED_FLEX[length] = torch.compile(flex_attention, dynamic=False)
+        fn = _COMPILED_FLEX[length]
+    pad = (0, 0, 0, length - n)
+    out = fn(F.pad(query, pad), F.pad(key, pad), F.pad(value, pad), block_mask=tree.block_mask(query.device, length),
+             scale=scaling, enable_gqa=query.shape[1] != key.shape[1])
+    return out[:, :, :n]
 
 
 def _make(kind: str):
@@ -171,7 +190,10 @@ def _make(kind: str):
             raise ValueError(f"a packed tree is one row of {gyre_tree.n} tokens, got query {tuple(query.shape)}")
         if kwargs.get("sliding_window") is not None or kwargs.get("softcap") is not None:
             raise NotImplementedError("tree attention supports neither sliding windows nor logit soft-capping")
-        how = kind if kind != "auto" else ("flex" if query.device.type == "cuda" else "sparse")
+        if kind == "auto":
+            how = "flex" if query.device.type == "cuda" and query.shape[-1] >= FLEX_MIN_HEAD_DIM else "sparse"
+        else:
+            how = kind
         if how == "dense":
             mask = gyre_tree.dense(query.device)[None, None]
             return sdpa_attention_forward(module, query, key, value, mask, dropout=dropout, scaling=scaling,

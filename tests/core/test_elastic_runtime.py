@@ -234,3 +234,22 @@ def test_a_finished_context_is_released_on_the_cell_that_served_it_last():
     router.close(1)                            # cell 1 leaves rollout: its caches go with the switch
     router.forget("y/c0")
     assert len(sent) == n + 2
+
+
+def test_gpu_slices_give_each_cell_its_own_gpus_and_share_round_robin_when_told_there_are_more(monkeypatch):
+    import torch
+
+    from gyre_core.elastic.runtime import _gpu_slices
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    assert _gpu_slices(ElasticConfig(cells=2, devices_per_cell=2)) == ["0,1", "2,3"]
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3,5")
+    assert _gpu_slices(ElasticConfig(cells=2)) == ["3", "5"]
+    # elastic.devices above the GPU count: the cells share them (one GPU, two cells: both on it)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "7")
+    assert _gpu_slices(ElasticConfig(cells=2, devices=2)) == ["7", "7"]
+    assert _gpu_slices(ElasticConfig(cells=3, devices_per_cell=2, devices=6)) == ["7", "7", "7"]
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert _gpu_slices(ElasticConfig(cells=2)) is None

@@ -131,3 +131,14 @@ def test_load_without_tokenizer_files(tok, model, tmp_path):
     (tmp_path / "p" / "tokenizer.json").unlink()
     with pytest.raises(PolicyLoadError, match="tokenizer"):
         load_policy(tmp_path / "p")
+
+
+def test_model_device_auto_is_the_gpu_only_when_torch_sees_one(monkeypatch):
+    from gyre_core.model import resolve_device
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert resolve_device("auto") == torch.device("cpu") == resolve_device("cpu")
+    with pytest.raises(PolicyLoadError, match="model.device=cuda: torch sees no GPU"):
+        resolve_device("cuda")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert resolve_device("auto") == torch.device("cuda")

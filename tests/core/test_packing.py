@@ -272,6 +272,17 @@ def test_flex_block_mask_equals_dense_forward_on_cpu():
     assert torch.allclose(flex, dense, atol=1e-5)
 
 
+def test_flex_rows_are_padded_to_a_few_compiled_lengths_and_small_heads_are_refused():
+    # whole 128-token blocks, a power of two of them: one compiled kernel per length
+    assert [tree_attention.flex_length(n) for n in (1, 128, 129, 256, 300, 513, 5000)] == \
+        [128, 128, 256, 256, 512, 1024, 8192]
+    tree = _random_tree_mask(1, n=40)
+    q, k, v = (torch.randn(1, h, tree.n, 8) for h in (4, 2, 2))
+    module = torch.nn.Module(); module.num_key_value_groups = 2; module.is_causal = True
+    with pytest.raises(NotImplementedError, match="at least 16"):
+        tree_attention._make("flex")(module, q, k, v, None, scaling=0.25, gyre_tree=tree)
+
+
 def test_a_tree_enabled_model_runs_plain_batches_exactly_as_sdpa(model64):
     branches = random_forest(seed=2, weighting="per_branch")
     c = collate(branches, 0)

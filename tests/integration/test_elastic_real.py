@@ -61,7 +61,7 @@ def _assert_reference_update(cfg, run, recs, v0: dict, v1: dict) -> None:
     got = dict(ref.model.named_parameters())
     n_sat = n_all = 0
     for name, g in grads.items():
-        p, q = got[name].detach(), v1[name].to(got[name].dtype)
+        p, q = got[name].detach(), v1[name].to(got[name])       # the trainer's device and dtype
         # Adam's first step moves each weight by lr·ĝ/(|ĝ| + 1e-8): where |ĝ| ≥ 1e-7 that is ±lr within 10%
         # and float noise in ĝ cannot show; below, the step's size follows ĝ's noise (up to a sign flip)
         sat = (g * coef).abs() >= 1e-7
@@ -86,6 +86,9 @@ def test_real_cells_train_with_exact_per_token_versions(tmp_path):
     # the elastic phase left what the step loop leaves: a publish marker per version, a lake part per step
     assert st.latest_version(run) == STEPS
     assert summary["dead_cells"] == [] and summary["switches"] >= 1
+    # model.device=auto: each agent computes where torch sees a device (its own GPU slice on a GPU host)
+    here = "real/cuda:0" if torch.cuda.is_available() else "real/cpu"
+    assert summary["cell_devices"] == {"0": here, "1": here}
     # both cells trained: the satellite's gradients went through the coordinator into the core's update
     assert set(summary["micro_steps_by_cell"]) == {"0", "1"}, summary["micro_steps_by_cell"]
     n_per_step = cfg.rollout.tasks_per_step * cfg.rollout.group_size
