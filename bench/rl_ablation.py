@@ -12,6 +12,7 @@ Run several invocations side by side (one thread each) to use both cores.
 from __future__ import annotations
 
 import argparse
+import fcntl
 import hashlib
 import json
 import re
@@ -39,8 +40,16 @@ def _base_run(preset: str, overrides: list[str], out_root: Path) -> RunDir:
     probe = full.model_dump(mode="json")
     for k in ("rl", "processor", "eval"):   # what variants may change, and the eval (same seeds)
         probe.pop(k)
+    probe["model"].pop("device")            # where the model computes is not what it computes
     probe["eval_episodes"] = full.eval.episodes
     key = hashlib.sha1(json.dumps(probe, sort_keys=True).encode()).hexdigest()[:10]
+    out_root.mkdir(parents=True, exist_ok=True)
+    with open(out_root / f"ablation-base-{key}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)    # invocations started side by side compute the base once
+        return _base_run_locked(preset, overrides, out_root, key)
+
+
+def _base_run_locked(preset: str, overrides: list[str], out_root: Path, key: str) -> RunDir:
     if (out_root / f"ablation-base-{key}" / "markers" / "eval_before.json").exists():
         return RunDir.open(out_root / f"ablation-base-{key}")   # done (perhaps by an older schema)
     cfg = load_config(preset, overrides + [f"run.name=ablation-base-{key}", f"run.out_root={out_root}",

@@ -195,6 +195,9 @@ class Coordinator:
         self.kill_cell_at = kill_cell_at     # tests: (cell, seconds) SIGKILLs a cell mid-run
         self._procs: list[CellHandle] = []
         self.start_s = 0.0
+        self._landings: queue.Queue = queue.Queue()     # published versions for `on_version`, in order
+        self._lander: threading.Thread | None = None
+        self._landing_error: str | None = None
 
     # -- clock and records ---------------------------------------------------------------------
     def now(self) -> float:
@@ -361,10 +364,41 @@ class Coordinator:
                 except queue.Empty:
                     continue
                 self._handle(cell, msg)
+            self._drain_landings()            # the last version lands before the clock stops
         finally:
             wall = self.now()
             self._shutdown()
+            self._drain_landings(quiet=True)  # after an error too: what was published lands (a resume starts there)
         return self._result(wall)
+
+    # -- landing published versions (`on_version`) off the main loop -------------------------------
+    def _land(self, version: int) -> None:
+        """Hand a published version to `on_version` on the lander thread, in order: writing a step's lake
+        part and metrics must not hold up the main loop, which feeds the cells their calls and micro-steps."""
+        if self.on_version is None:
+            return
+        if self._lander is None:
+            self._lander = threading.Thread(target=self._lander_loop, name="gyre-elastic-lander", daemon=True)
+            self._lander.start()
+        self._landings.put((version, self.train_stats.get(version - 1, {})))
+
+    def _lander_loop(self) -> None:
+        while (item := self._landings.get()) is not None:
+            try:
+                self.on_version(*item)
+            except Exception as e:  # noqa: BLE001 — the main loop (or the drain) raises it
+                self._landing_error = f"landing version {item[0]} failed: {type(e).__name__}: {e}"
+                self.events.put((-1, ("error", self._landing_error)))
+                return
+
+    def _drain_landings(self, quiet: bool = False) -> None:
+        """Wait until every published version has landed; raise a landing's failure unless `quiet`."""
+        if self._lander is not None:
+            self._landings.put(None)
+            self._lander.join()
+            self._lander = None
+        if self._landing_error is not None and not quiet:
+            raise RuntimeError(f"gyre elastic: {self._landing_error}")
 
     def _rules(self) -> None:
         self._dispatch()
@@ -490,8 +524,7 @@ class Coordinator:
             for i in self.order:
                 if i != cell:
                     self._send(i, ("weights", self.version))
-            if self.on_version is not None:    # after the others heard: landing a step may take a moment
-                self.on_version(self.version, self.train_stats.get(self.version - 1, {}))
+            self._land(self.version)           # after the others heard, off this loop
         elif kind == "dead":
             self._lose(cell, msg[1])
 

@@ -253,3 +253,34 @@ def test_gpu_slices_give_each_cell_its_own_gpus_and_share_round_robin_when_told_
     assert _gpu_slices(ElasticConfig(cells=3, devices_per_cell=2, devices=6)) == ["7", "7", "7"]
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert _gpu_slices(ElasticConfig(cells=2)) is None
+
+
+def test_published_versions_land_in_order_off_the_main_loop_and_all_before_the_run_returns():
+    """`on_version` (a step's lake part and metrics) runs on its own thread: while version 1 is still
+    landing, the coordinator goes on and publishes version 2; every version has landed when run() returns."""
+    landed, seen_while_landing_v1 = [], []
+    holder = {}
+
+    def on_version(v, stats):
+        if v == 1:    # hold the first landing until the loop has published the next version (or give up)
+            deadline = time.monotonic() + 60
+            while holder["coord"].version < 2 and time.monotonic() < deadline:
+                time.sleep(0.01)
+            seen_while_landing_v1.append(holder["coord"].version)
+        landed.append(v)
+
+    coord = Coordinator(ElasticConfig(cells=2, mode="emulated", policy="elastic", capacity=4), FAST,
+                        on_version=on_version)
+    holder["coord"] = coord
+    result = coord.run()
+    assert landed == [1, 2, 3] and result.steps == 3
+    assert seen_while_landing_v1[0] >= 2      # the loop published v2 while v1 was landing
+
+
+def test_a_landing_that_fails_stops_the_run_with_its_message():
+    def on_version(v, stats):
+        if v == 2:
+            raise OSError("the lake is full")
+
+    with pytest.raises(RuntimeError, match="landing version 2 failed: OSError: the lake is full"):
+        run_elastic(ElasticConfig(cells=2, mode="emulated", policy="elastic", capacity=4), FAST, on_version=on_version)
