@@ -139,8 +139,8 @@ class HarnessWork:
         cfg, rl = self.cfg, self.cfg.rl
         train = {"lr": rl.lr, "zero_stage": cfg.trainer.zero_stage, "grad_clip": rl.grad_clip,
                  "temperature": cfg.rollout.temperature, "clip_low": rl.clip_low, "clip_high": rl.clip_high,
-                 "is_cap": cfg.elastic.is_cap, "negative_scale": rl.negative_scale, "micro_batch_tokens": rl.micro_batch_tokens,
-                 "entropy_coef": rl.entropy_coef,
+                 "is_cap": cfg.elastic.is_cap, "negative_scale": rl.negative_scale,
+                 "micro_batch_tokens": rl.micro_batch_tokens, "entropy_coef": rl.entropy_coef,
                  "device": cfg.model.device}
         return ["--mode", "real", "--policy", str(self.run.warm), "--weights",
                 self.cfg.trainer.publish_root or str(self.run.path / "weights"),
