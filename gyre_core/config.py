@@ -172,7 +172,8 @@ class RLConfig(_Section):
     advantages; a floor (e.g. 0.1) keeps those small. 0: no floor."""
     entropy_coef: float = Field(0.0, ge=0)
     """An entropy bonus: the loss subtracts this × the policy's entropy at each trained token, weighted as
-    the policy loss is (0: none). Keeps sampling from collapsing faster than the reward justifies."""
+    the policy loss is (0: none). Under Adam a consistent term outweighs a noisy policy gradient even when
+    small: on `default` 0.0005 already drove the policy to 0% (README ablations)."""
 
 
 class ProcessorConfig(_Section):
