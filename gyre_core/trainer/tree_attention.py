@@ -85,7 +85,8 @@ class TreeMask:
         if key not in self._cache:
             from torch.nn.attention.flex_attention import create_block_mask
 
-            # padded with 0 to whole blocks of `length`: a padded kv is never < its q, a padded q never < se
+            # padded with 0 to whole blocks of `length`: a padded kv has se = 0, so no q attends it; a padded
+            # q is ≥ n ≥ every real se, so it attends nothing
             se = F.pad(self.subtree_end.to(device), (0, length - self.n + (-length % 128)))
 
             def tree_mod(b, h, q, kv):
