@@ -254,6 +254,12 @@ def _run_bench(args):
 
         result = bench_cells()
     elif args.what == "gpu":
+        import torch
+
+        if not torch.cuda.is_available():
+            raise SystemExit("gyre bench gpu: torch sees no GPU here (a CUDA build of torch and a visible GPU are "
+                             "needed); the CPU path of the same checks: python -m bench.gpu --device cpu "
+                             "--sections tree_attention trainer engine")
         from bench.gpu import bench_gpu
 
         result = bench_gpu()
