@@ -29,6 +29,8 @@ import traceback
 
 import torch
 
+from bench.processor_packing import MODEL_DIMS, bench_packing, branching_workload, ppo_loss, tiny_model
+
 WIDE_DIMS = {"hidden_size": 1024, "num_layers": 8, "num_heads": 16, "num_kv_heads": 4, "ffn_size": 4096,
              "vocab_size": 512}
 SECTIONS = ("tree_attention", "trainer", "engine", "elastic", "packing_speed", "kernels")
@@ -39,21 +41,12 @@ def _sync() -> None:
         torch.cuda.synchronize()
 
 
-def _loss(model, items, normaliser: float = 1.0):
-    from gyre_core.trainer.losses import collate, ppo_clip_loss, token_logprobs
-
-    c = collate(items, 0).to(next(model.parameters()).device)
-    kw = c.model_inputs()
-    logp, _ = token_logprobs(model(**kw).logits, c)
-    return ppo_clip_loss(logp, c, 0.2, 0.28, normaliser)[0]
-
-
 def _grads(model, parts) -> tuple[dict[str, torch.Tensor], float]:
     """Accumulated gradients (float64, on the CPU) of the summed loss over `parts`, and that loss."""
     model.zero_grad(set_to_none=True)
     total = 0.0
     for items in parts:
-        loss = _loss(model, items)
+        loss = ppo_loss(model, items)
         loss.backward()
         total += loss.item()
     return {n: p.grad.detach().double().cpu() for n, p in model.named_parameters() if p.grad is not None}, total
@@ -65,7 +58,6 @@ def _rel_err(g: dict, ref: dict) -> float:
 
 
 def check_tree_attention(device: str = "cuda") -> dict:
-    from bench.processor_packing import MODEL_DIMS, branching_workload, tiny_model
     from gyre_core.trainer.packing import pack_branches
     from gyre_core.trainer.tree_attention import enable_tree_attention
 
@@ -108,7 +100,6 @@ def check_trainer(device: str = "cuda", lr: float = 1e-3) -> dict:
     """DeepSpeed on the GPU (NCCL) vs plain torch on the CPU: one PPO step on the same flat batch."""
     import torch.distributed as dist
 
-    from bench.processor_packing import MODEL_DIMS, branching_workload, tiny_model
     from gyre_core.trainer.engine import Trainer
 
     seqs = branching_workload(G=4, K=2, turns=(6, 10), fork_turns=(3,), prompt_tokens=60, obs_tokens=(8, 12),
@@ -117,7 +108,7 @@ def check_trainer(device: str = "cuda", lr: float = 1e-3) -> dict:
     cpu = tiny_model(MODEL_DIMS, torch.float32, 3)
     w0 = {n: p.detach().clone() for n, p in cpu.named_parameters()}
     # reference: plain torch on the CPU, the trainer's loss, clipping and AdamW settings
-    loss = _loss(cpu, seqs, norm)
+    loss = ppo_loss(cpu, seqs, norm)
     loss.backward()
     g_ref = {n: p.grad.detach().double().clone() for n, p in cpu.named_parameters()}
     ref_norm = float(torch.nn.utils.clip_grad_norm_(cpu.parameters(), 1.0))
@@ -143,7 +134,6 @@ def check_engine(device: str = "cuda", n_prompts: int = 64, turns: int = 4, new_
     """Greedy multi-turn decoding on the GPU vs the CPU (same weights, prompts and observations)."""
     import random
 
-    from bench.processor_packing import MODEL_DIMS, tiny_model
     from gyre_core.engine.local import GenRequest, LocalEngine
 
     rng = random.Random(0)
@@ -182,7 +172,6 @@ def check_engine(device: str = "cuda", n_prompts: int = 64, turns: int = 4, new_
 
 
 def check_packing_speed(device: str = "cuda") -> dict:
-    from bench.processor_packing import MODEL_DIMS, bench_packing
 
     keep = ("tokens_flat", "tokens_computed", "token_ratio", "ideal_speedup", "time_flat_s", "time_packed_s",
             "measured_speedup", "efficiency", "time_flat_unpadded_s", "measured_speedup_vs_unpadded",
@@ -199,7 +188,6 @@ def check_packing_speed(device: str = "cuda") -> dict:
 def check_kernels(device: str = "cuda", repeats: int = 3, G: int = 8) -> dict:
     """Where packed training spends its time on the GPU: forward+backward of the same packed pieces with each
     tree-attention kernel (after warm-up), beside the flat padded batches, and building one block mask."""
-    from bench.processor_packing import MODEL_DIMS, branching_workload, tiny_model
     from gyre_core.processor.batch import micro_batches
     from gyre_core.trainer.packing import pack_branches
     from gyre_core.trainer.tree_attention import TreeMask, enable_tree_attention, flex_length
@@ -217,7 +205,7 @@ def check_kernels(device: str = "cuda", repeats: int = 3, G: int = 8) -> dict:
                 _sync()
                 t0 = time.perf_counter()
                 for p in parts:
-                    _loss(model, p).backward()
+                    ppo_loss(model, p).backward()
                 _sync()
                 ts.append(time.perf_counter() - t0)
                 model.zero_grad(set_to_none=True)

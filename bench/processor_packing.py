@@ -146,8 +146,8 @@ def branching_workload(G: int = 8, prompt_tokens: int = 300, turns: tuple[int, i
 # ---------------------------------------------------------------- exactness
 
 
-def _loss(model, items, normaliser: float):
-    c = collate(items, 0)
+def ppo_loss(model, items, normaliser: float = 1.0):
+    c = collate(items, 0).to(next(model.parameters()).device)
     logp, _ = token_logprobs(model(**c.model_inputs()).logits, c)
     return ppo_clip_loss(logp, c, 0.2, 0.28, normaliser)[0]
 
@@ -160,11 +160,11 @@ def grad_errors(model, branches, max_tokens: int | None, kind: str = "sparse", n
     """
     ref, packed = copy.deepcopy(model), copy.deepcopy(model)
     enable_tree_attention(packed, kind)
-    l_ref = sum(_loss(ref, [b], normaliser) for b in branches)
+    l_ref = sum(ppo_loss(ref, [b], normaliser) for b in branches)
     l_ref.backward()
     l_pk = 0.0
     for piece in pack_branches(branches, max_tokens=max_tokens):
-        loss = _loss(packed, [piece], normaliser)
+        loss = ppo_loss(packed, [piece], normaliser)
         loss.backward()
         l_pk += loss.item()
     err = 0.0
