@@ -15,6 +15,9 @@ numbers, not verdicts. `--sections` picks some; `--out DIR` also writes each sec
   `Trainer`) on the GPU, for the presets' tiny model and a wider one.
 - `elastic`: the pipeline on the GPU: `prepare` + warm start (supervised steps on the GPU), then real
   K = 2 cells sharing the one GPU (`elastic.devices=2`) under `colocated` and `elastic`.
+- `kernels`: forward + backward of the same packed pieces with each tree-attention kernel (flex, sparse,
+  dense mask) beside the flat batches, for both models — to see where packed training spends its time.
+  Minutes: the sparse kernel is the CPU's design (many small launches) and each flex length compiles.
 """
 from __future__ import annotations
 
