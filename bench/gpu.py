@@ -175,7 +175,6 @@ def check_engine(device: str = "cuda", n_prompts: int = 64, turns: int = 4, new_
 
 
 def check_packing_speed(device: str = "cuda") -> dict:
-
     keep = ("tokens_flat", "tokens_computed", "token_ratio", "ideal_speedup", "time_flat_s", "time_packed_s",
             "measured_speedup", "efficiency", "time_flat_unpadded_s", "measured_speedup_vs_unpadded",
             "time_packed_dense_mask_s", "measured_speedup_dense_mask")

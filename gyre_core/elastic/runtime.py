@@ -305,7 +305,7 @@ class Coordinator:
                 give_up(f"accepting a connection failed: {hello}")
             idx = hello[1]
             self.cells[idx] = _CellState(idx, conn, procs[idx], last_seen=time.monotonic())
-            self.cell_devices[idx] = hello[3] if len(hello) > 3 else "?"
+            self.cell_devices[idx] = hello[3]          # ("hello", cell, pid, device label)
         listener.close()
         self.start_s = time.monotonic() - t_launch
         self.order = sorted(self.cells)
