@@ -267,6 +267,11 @@ class ElasticConfig(_Section):
     """Decoupled PPO: the off-policy weight π_prox/μ of a stale token is truncated at this."""
     micro_step_executions: int = Field(4, gt=0)
     """Finished executions per streamed micro-step."""
+    grad_channel: Literal["collective", "arrays"] = "collective"
+    """How satellites' gradients reach the core (real cells). `collective`: each cell keeps accumulating its
+    micro-steps and at the update the cells that trained (a prefix of the order) sum onto the core with one
+    reduce over process groups built once at start; `arrays`: each micro-step's gradient is sent through
+    the coordinator. A collective run that loses a cell continues with arrays."""
     cell_timeout_s: float = Field(30.0, gt=0)
     """A cell agent silent for this long is declared dead: its calls are retried, its micro-steps reclaimed."""
     stuck_timeout_s: float = Field(600.0, gt=0)

@@ -11,12 +11,21 @@ connects to the coordinator, says hello, and then serves messages until told to 
     ("role", role, switch_s)         drain and take the role; answer ("role_done", role, seconds)
     ("micro", ms_id, work)           compute one streamed micro-step (train role); answer
                                      ("micro_done", ms_id, seconds, satellite's gradient or None, stats)
-    ("optim", version, work)         the core only: apply the step's update and publish version+1
+    ("reduce", version, t)           a satellite in the prefix [0, t): sum its gradient (or zeros) onto the core
+    ("optim", version, work, t)      the core only: reduce over [0, t) (t > 1), apply the update, publish
+                                     version+1; answer ("optim_done", version+1, seconds, reduce seconds)
+                                     or, when the reduce failed, ("optim_failed", version, why)
+    ("channel", "arrays")            stop using the process groups (a cell was lost): drop the gradient held
+                                     here, and from now on hand each micro-step's gradient over as arrays
     ("weights", version)             a newer policy was published (read it at the next call / micro-step)
     ("release", key)                 the harness is done with a context: drop its K/V cache
     ("stop",)
 
 and sends ("done", call_id, ids, logprobs, versions, reason) per call, plus ("beat", t) heartbeats.
+Gradients between training cells: real cells started with `--grad-store` build the prefix process groups
+of `collective` before they say hello, keep their micro-steps' gradients, and sum them onto the core at
+the update; without it (or after a cell loss) a satellite returns each micro-step's gradient as arrays,
+which the coordinator forwards to the core ("grads").
 Device work is done by a backend: `EmulatedDevice` replaces it by calibrated waits (to show a K = 8
 fleet on a 2-core machine, clearly labelled as emulated); the real backend runs the engine and trainer.
 A rollout cell serves many calls at once, one token at a time across all of them (batched decoding),
@@ -104,9 +113,16 @@ class EmulatedDevice:
         time.sleep(max(seconds, 0.0))
         return None, {}                  # no gradient to hand over, no training statistics
 
-    def optim(self, version: int, seconds: float) -> None:
+    def optim(self, version: int, seconds: float, t: int = 1) -> float | None:
         time.sleep(max(seconds, 0.0))
         self.version = version + 1
+        return None
+
+    def reduce(self, t: int) -> float:
+        return 0.0
+
+    def use_arrays(self) -> None:
+        pass
 
     def add_grads(self, grads) -> None:
         pass
@@ -128,12 +144,14 @@ class RealDevice:
     label = "real"
 
     def __init__(self, cell: int, policy_dir: str, weights_root: str, train: dict, seed: int,
-                 start_version: int = 0) -> None:
-        """`start_version` > 0: a resumed run; the cell starts from that published version's weights."""
+                 start_version: int = 0, groups=None) -> None:
+        """`start_version` > 0: a resumed run; the cell starts from that published version's weights.
+        `groups`: this cell's `collective.PrefixGroups` (None: gradients go as arrays)."""
         from ..engine import LocalEngine
         from ..model import load_policy, stop_token_ids
 
         self.cell, self.weights_root, self.train_kw = cell, weights_root.rstrip("/"), dict(train)
+        self.groups = groups
         model, tok = load_policy(policy_dir, device=self.train_kw.get("device", "cpu"))
         self.label = f"real/{next(model.parameters()).device}"    # sent in the hello (result.cell_devices)
         self.pad_id = tok.pad_token_id or 0
@@ -217,9 +235,9 @@ class RealDevice:
                                  temperature=kw["temperature"], clip_low=kw["clip_low"], clip_high=kw["clip_high"],
                                  is_cap=kw["is_cap"], negative_scale=kw["negative_scale"],
                                  entropy_coef=kw.get("entropy_coef", 0.0))
-        if self.cell_is_core:
-            return None, stats
-        grads = tr.gradients()          # a satellite: hand the gradient over, start clean
+        if self.cell_is_core or self.groups is not None:
+            return None, stats          # kept here: the core's own, or a satellite's until the reduce
+        grads = tr.gradients()          # a satellite without groups: hand the gradient over, start clean
         tr.zero_gradients()
         # plain arrays: torch's own pickling shares storage by file descriptor, which only works between
         # a process and its children, not between cells and a coordinator (or across hosts)
@@ -243,15 +261,40 @@ class RealDevice:
         self._trainer().add_gradients({k: torch.from_numpy(g).to(params[k].device, params[k].dtype)
                                        for k, g in grads.items()})
 
-    def optim(self, version: int, n_executions: int) -> None:
+    def reduce(self, t: int) -> float:
+        """A satellite's part of the update's reduce over [0, t); returns its seconds. A failed reduce
+        drops the gradient (the coordinator has the step's micro-steps trained again)."""
+        from .collective import ReduceFailed
+
+        t0 = time.monotonic()
+        try:
+            self.groups.reduce_to_core(self._trainer(), t)
+        except ReduceFailed as e:
+            print(f"gyre cell {self.cell}: {e}", file=sys.stderr, flush=True)
+        return time.monotonic() - t0
+
+    def use_arrays(self) -> None:
+        """A cell was lost: the groups are unusable. Drop the gradient held here (the coordinator has the
+        burst trained again) and hand gradients over as arrays from now on."""
+        self.groups = None
+        self._trainer().zero_gradients()
+
+    def optim(self, version: int, n_executions: int, t: int = 1) -> float | None:
+        """Reduce the satellites' gradients over [0, t) onto this core (t > 1), apply the update and
+        publish version+1; returns the reduce's seconds (None: no reduce). Raises `collective.ReduceFailed`."""
         from ..trainer.publish import publish_weights
         from .stream import finish_step
 
         tr = self._trainer()
+        t0 = time.monotonic()
+        if t > 1:
+            self.groups.reduce_to_core(tr, t)
+        reduce_s = time.monotonic() - t0 if t > 1 else None
         finish_step(tr, n_executions)
         publish_weights(tr.state_dict(), f"{self.weights_root}/v{version + 1}.safetensors")
         self.engine._contexts.clear()
         self.engine.version = self.version = self.published = version + 1
+        return reduce_s
 
 
 class Agent:
@@ -333,9 +376,19 @@ class Agent:
             self.send("micro_done", msg[1], time.monotonic() - t0, grads, stats)
         elif kind == "grads":            # the core: a satellite's gradient for this step
             self.device.add_grads(msg[1])
+        elif kind == "reduce":           # a satellite: its part of the update's reduce
+            self.device.reduce(msg[2])
         elif kind == "optim":
-            self.device.optim(msg[1], msg[2])
-            self.send("optim_done", msg[1] + 1, time.monotonic() - t0)
+            from .collective import ReduceFailed
+
+            try:
+                reduce_s = self.device.optim(msg[1], msg[2], msg[3] if len(msg) > 3 else 1)
+            except ReduceFailed as e:
+                self.send("optim_failed", msg[1], str(e))
+                return True
+            self.send("optim_done", msg[1] + 1, time.monotonic() - t0, reduce_s)
+        elif kind == "channel":          # a cell was lost: gradients go as arrays from now on
+            self.device.use_arrays()
         elif kind == "weights":
             self.device.set_version(msg[1])
         elif kind == "release":          # the harness is done with this context: free its K/V
@@ -361,6 +414,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--train-json", default="{}", help="real: trainer settings (lr, clip, ...) as JSON")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--start-version", type=int, default=0, help="real: start from this published version")
+    ap.add_argument("--grad-store", help="real: HOST:PORT of the store the cells' gradient groups are built on")
+    ap.add_argument("--world", type=int, default=1, help="real, with --grad-store: the number of cells")
+    ap.add_argument("--group-timeout", type=float, default=300.0, help="seconds to wait for the other cells")
     args = ap.parse_args(argv)
     host, port = args.coordinator.rsplit(":", 1)
     key = os.environ.get(args.authkey_env, "").encode()
@@ -376,8 +432,13 @@ def main(argv: list[str] | None = None) -> int:
         if not (args.policy and args.weights):
             print("gyre cell: --mode real needs --policy and --weights", file=sys.stderr)
             return 2
+        groups = None
+        if args.grad_store and args.world > 1:   # before the hello: the coordinator waits for every cell
+            from .collective import PrefixGroups
+
+            groups = PrefixGroups(args.grad_store, args.cell, args.world, args.group_timeout)
         device = RealDevice(args.cell, args.policy, args.weights, json.loads(args.train_json), args.seed,
-                            args.start_version)
+                            args.start_version, groups)
         device.cell_is_core = args.cell == 0
     else:
         device = EmulatedDevice()

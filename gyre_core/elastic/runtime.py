@@ -13,6 +13,11 @@ done, a role switch done, a cell lost) re-runs the same four rules:
    train → rollout waits for the micro-step boundary;
 3. hand streamed micro-steps of the current version's burst to idle training cells;
 4. when a burst's micro-steps are all done, the core applies the update and publishes the next version.
+Satellites' gradients reach the core through the cells' own process groups (`elastic.grad_channel`
+`collective`, real cells: one reduce over the prefix of cells that trained, at the update; see
+`collective`), or as arrays each micro-step forwarded by this process (`arrays`; emulated cells have no
+gradient; a collective run falls back to arrays for good after it loses a cell, and has the burst that
+was accumulating trained again).
 A cell whose connection drops, or that is silent for `cell_timeout_s`, is declared dead: its calls
 are retried elsewhere, its micro-steps reclaimed, and the run goes on with K − 1 cells.
 
@@ -88,6 +93,8 @@ class ElasticResult:
     call_s: list[float] = field(default_factory=list)
     micro_s: list[float] = field(default_factory=list)
     optim_s: list[float] = field(default_factory=list)
+    reduce_s: list[float] = field(default_factory=list)   # the core's wait in each update's reduce (collective)
+    grad_channel: str = "arrays"  # how satellites' gradients reached the core (at the end of the run)
     train_stats: dict = field(default_factory=dict)
     micro_by_cell: dict = field(default_factory=dict)
     launch: str = "process"       # how the agents started (elastic.launch)
@@ -110,7 +117,8 @@ class ElasticResult:
                 "decisions": [d.to_dict() for d in self.decisions], "notes": self.notes,
                 "calls": len(self.call_s), "call_s_mean": _mean(self.call_s),
                 "micro_steps": len(self.micro_s), "micro_s_total": sum(self.micro_s),
-                "optim_s_mean": _mean(self.optim_s),
+                "optim_s_mean": _mean(self.optim_s), "reduce_s_mean": _mean(self.reduce_s),
+                "grad_channel": self.grad_channel,
                 "micro_steps_by_cell": {str(k): v for k, v in sorted(self.micro_by_cell.items())},
                 "launch": self.launch, "start_s": self.start_s,
                 "cell_devices": {str(k): v for k, v in sorted(self.cell_devices.items())}}
@@ -190,6 +198,12 @@ class Coordinator:
         self.load: list[tuple[float, int]] = []   # (t, unfinished executions) at every dispatch and finish
         self.micro_s: list[float] = []             # device seconds of each micro-step, as the cell measured
         self.optim_s: list[float] = []             # ... of each update (optimizer step and publish)
+        self.reduce_s: list[float] = []            # ... of the core's part of each update's reduce
+        self.trained_in: dict[int, set[int]] = {}  # version → cells whose micro-steps for it counted
+        # satellites' gradients: through the cells' process groups, or as arrays through this process
+        self.channel = "collective" if (ecfg.grad_channel == "collective" and ecfg.cells > 1
+                                        and self.work.mode == "real") else "arrays"
+        self._store = None                         # the groups' rendezvous (collective), held for the run
         self.train_stats: dict[int, dict] = {}    # version trained from → summed micro-step statistics
         self.micro_by_cell: dict[int, int] = {}   # micro-steps each cell computed (and that counted)
         self.kill_cell_at = kill_cell_at     # tests: (cell, seconds) SIGKILLs a cell mid-run
@@ -241,13 +255,21 @@ class Coordinator:
         listener = Listener((self.cfg.coordinator_host, 0), backlog=self.cfg.cells, authkey=key.encode())
         host, port = listener.address
         env = {"GYRE_CELL_KEY": key, "OMP_NUM_THREADS": str(self.cfg.devices_per_cell)}
+        group_args: list[str] = []
+        if self.channel == "collective":
+            from .collective import host_store
+
+            wait_s = max(self.cfg.start_timeout_s, self.cfg.cell_timeout_s)
+            self._store = host_store(self.cfg.coordinator_host, wait_s)
+            group_args = ["--grad-store", f"{host}:{self._store.port}", "--world", str(self.cfg.cells),
+                          "--group-timeout", str(wait_s)]
         gpus = _gpu_slices(self.cfg) if self.work.mode == "real" and self.launcher.name == "process" else None
         procs = []
         for i in range(self.cfg.cells):
             if gpus is not None:   # cell i owns its own devices_per_cell GPUs (a cell worker brings its own)
                 env = dict(env, CUDA_VISIBLE_DEVICES=gpus[i])
             args = ["--cell", str(i), "--coordinator", f"{host}:{port}", "--threads", str(self.cfg.devices_per_cell),
-                    *self.work.cell_args()]
+                    *self.work.cell_args(), *group_args]
             procs.append(self.launcher.launch(i, args, env))
             self._procs.append(procs[-1])
         arrived: queue.Queue = queue.Queue()
@@ -474,7 +496,13 @@ class Coordinator:
         self.updating = core.busy = True
         core.busy_t0 = self.now()
         n = self.stream.trained_executions(self.version)
-        self._send(core.index, ("optim", self.version, self.work.optim_work(self.version, n)))
+        t = 1                              # the prefix of the order whose gradients are summed
+        if self.channel == "collective":   # (no cell lost yet: positions in the order are the group ranks)
+            pos = {c: p for p, c in enumerate(self.order)}
+            t = 1 + max((pos[c] for c in self.trained_in.get(self.version, ()) if c in pos), default=0)
+            for c in self.order[1:t]:
+                self._send(c, ("reduce", self.version, t))
+        self._send(core.index, ("optim", self.version, self.work.optim_work(self.version, n), t))
 
     def _handle(self, cell: int, msg: tuple) -> None:
         kind = msg[0]
@@ -510,6 +538,7 @@ class Coordinator:
                     self._send(self.order[0], ("grads", msg[3]))   # a satellite's gradient, to the core
                 self.micro_s.append(msg[2])
                 self.micro_by_cell[cell] = self.micro_by_cell.get(cell, 0) + 1
+                self.trained_in.setdefault(self.version, set()).add(cell)
                 sums = self.train_stats.setdefault(self.version, {})   # micro-steps train the current version
                 for key, v in msg[4].items():
                     sums[key] = sums.get(key, 0.0) + v
@@ -521,12 +550,33 @@ class Coordinator:
             c.busy = self.updating = False
             self.version = msg[1]
             self.optim_s.append(msg[2])
+            if len(msg) > 3 and msg[3] is not None:
+                self.reduce_s.append(msg[3])
             for i in self.order:
                 if i != cell:
                     self._send(i, ("weights", self.version))
             self._land(self.version)           # after the others heard, off this loop
+        elif kind == "optim_failed":       # the reduce did not complete (a cell of the prefix died)
+            c = self.cells[cell]
+            self.busy_spans.append(BusySpan(cell, c.busy_t0, self.now(), TRAIN))
+            c.busy = self.updating = False
+            self._fall_back(msg[2])
+            redo = self.stream.reset_burst(self.version)
+            self.notes.append(f"the update to v{self.version + 1} was not applied ({msg[2]}): "
+                              f"{redo} micro-step(s) of step {self.version} trained again")
         elif kind == "dead":
             self._lose(cell, msg[1])
+
+    def _fall_back(self, why: str) -> bool:
+        """Collective → arrays for the rest of the run; every cell drops the gradient it holds. Returns
+        whether it switched (the caller has the accumulating burst trained again)."""
+        if self.channel != "collective":
+            return False
+        self.channel = "arrays"
+        for i in self.order:
+            self._send(i, ("channel", "arrays"))
+        self.notes.append(f"gradients go through the coordinator as arrays from now on ({why})")
+        return True
 
     def _check_silence(self) -> None:
         limit = self.cfg.cell_timeout_s
@@ -560,6 +610,12 @@ class Coordinator:
         reclaimed = self.stream.reclaim(cell)
         note = (f"cell {cell} lost ({why}) at {self.now():.1f} s: {rerouted} call(s) retried elsewhere, "
                 f"{len(reclaimed)} micro-step(s) reclaimed; continuing with {len(self.order)} cell(s)")
+        # the groups include the lost cell: gradients go as arrays from now on, and those held by the
+        # cells for the current step (the lost one's with them) are dropped and the burst trained again
+        # (an update in flight completes, or fails and is redone, in `_handle`)
+        fell_back = self._fall_back(f"cell {cell} lost")
+        if fell_back and not was_core and not self.updating:
+            note += f"; {self.stream.reset_burst(self.version)} micro-step(s) of step {self.version} redone"
         if was_core and self.order:
             # the update's accumulated gradients lived on the core: the burst is trained again on the
             # new core, which starts from the last published weights
@@ -600,7 +656,7 @@ class Coordinator:
             stale_dropped=self.stream.dropped_stale, decisions=self.decisions, role_spans=self.role_spans,
             busy_spans=self.busy_spans, switch_marks=self.marks, executions=getattr(self.work, "logs", []),
             notes=self.notes, load=self.load, call_s=list(self.router.call_s), micro_s=self.micro_s,
-            optim_s=self.optim_s, train_stats=self.train_stats, micro_by_cell=self.micro_by_cell,
+            optim_s=self.optim_s, reduce_s=self.reduce_s, grad_channel=self.channel, train_stats=self.train_stats, micro_by_cell=self.micro_by_cell,
             launch=self.launcher.name, start_s=self.start_s, cell_devices=dict(self.cell_devices))
 
 

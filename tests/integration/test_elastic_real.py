@@ -71,10 +71,12 @@ def _assert_reference_update(cfg, run, recs, v0: dict, v1: dict) -> None:
     assert n_sat > 0.25 * n_all, (n_sat, n_all)    # tens of thousands of weights compared to 1e-6
 
 
-def test_real_cells_train_with_exact_per_token_versions(tmp_path):
+@pytest.mark.parametrize("channel", ["collective", "arrays"])
+def test_real_cells_train_with_exact_per_token_versions(tmp_path, channel):
     cfg = load_config("smoke", [
         f"run.out_root={tmp_path}/runs", f"lake.root={tmp_path}/lake", f"tracking.uri=sqlite:///{tmp_path}/m.db",
         "elastic.enabled=true", "elastic.mode=real", "elastic.cells=2", "elastic.policy=elastic",
+        f"elastic.grad_channel={channel}",
         "elastic.micro_step_executions=2", "elastic.max_staleness=1", "elastic.capacity=4",
         f"rl.steps={STEPS}", "rl.lr=3e-3",
         "eval.episodes=8", "eval.greedy_episodes=0", "eval.random_baseline=false"])
@@ -89,8 +91,11 @@ def test_real_cells_train_with_exact_per_token_versions(tmp_path):
     # model.device=auto: each agent computes where torch sees a device (its own GPU slice on a GPU host)
     here = "real/cuda:0" if torch.cuda.is_available() else "real/cpu"
     assert summary["cell_devices"] == {"0": here, "1": here}
-    # both cells trained: the satellite's gradients went through the coordinator into the core's update
+    # both cells trained: the satellite's gradients reached the core's update (summed by a reduce over the
+    # cells' own process group, or shipped through the coordinator as arrays)
     assert set(summary["micro_steps_by_cell"]) == {"0", "1"}, summary["micro_steps_by_cell"]
+    assert summary["grad_channel"] == channel
+    assert (summary["reduce_s_mean"] is not None) == (channel == "collective")
     n_per_step = cfg.rollout.tasks_per_step * cfg.rollout.group_size
     records = {s: st._read_records(run, f"step={s}") for s in range(STEPS)}
     assert all(len(records[s]) == n_per_step for s in range(STEPS))
@@ -125,7 +130,7 @@ def test_real_cells_train_with_exact_per_token_versions(tmp_path):
             checked += 1
     assert checked >= 20
 
-    # v1 across processes (two cells' micro-steps, the satellite's gradients shipped as arrays to the core)
+    # v1 across processes (two cells' micro-steps, the satellite's gradients reduced or shipped to the core)
     # equals the update one trainer in this process makes on the same step-0 executions from v0
     _assert_reference_update(cfg, run, records[0], weights[0], weights[1])
 
@@ -142,6 +147,42 @@ def test_real_cells_train_with_exact_per_token_versions(tmp_path):
                     for c in r.calls)
     assert summary["tokens_trained"] == trainable
     assert summary["phase_s"]["elastic"] > 0
+
+
+def test_a_satellite_lost_holding_its_gradient_falls_back_to_arrays(tmp_path, monkeypatch):
+    """Collective channel, colocated (both cells train step 0): the satellite is SIGKILLed right after its
+    first micro-step counted, while its gradient is still held in its process. The run goes on with the
+    core alone, its gradients as arrays, step 0's burst trained again: v1 still equals one trainer's update
+    on step 0's executions, and nothing of the dead cell's gradient is in it."""
+    from gyre_core.elastic import runtime
+
+    killed = []
+
+    class KillSatellite(runtime.Coordinator):
+        def _handle(self, cell, msg):
+            super()._handle(cell, msg)
+            if msg[0] == "micro_done" and cell == 1 and not killed and self.version == 0:
+                assert self.channel == "collective" and self.micro_by_cell.get(1) == 1
+                killed.append(self.now())
+                self.cells[1].proc.kill()
+
+    monkeypatch.setattr(runtime, "Coordinator", KillSatellite)
+    cfg = load_config("smoke", [
+        f"run.out_root={tmp_path}/runs", f"lake.root={tmp_path}/lake", f"tracking.uri=sqlite:///{tmp_path}/m.db",
+        "elastic.enabled=true", "elastic.mode=real", "elastic.cells=2", "elastic.policy=colocated",
+        "elastic.micro_step_executions=1", "elastic.capacity=8", "rl.steps=2", "rl.lr=3e-3",
+        "eval.episodes=8", "eval.greedy_episodes=0", "eval.random_baseline=false"])
+    run_dir = st.prepare(cfg)
+    st.warm_start(run_dir)
+    summary = st.elastic_rl(run_dir)
+    run = RunDir.open(run_dir)
+    assert killed and summary["dead_cells"] == [1] and summary["grad_channel"] == "arrays"
+    notes = " | ".join(summary["notes"])
+    assert "as arrays from now on (cell 1 lost)" in notes and "micro-step(s) of step 0 redone" in notes, notes
+    assert st.latest_version(run) == 2
+    model, _ = load_policy(str(run.warm))
+    v0 = {k: v.clone() for k, v in model.state_dict().items()}
+    _assert_reference_update(cfg, run, st._read_records(run, "step=0"), v0, load_weights(run.weights_uri(1)))
 
 
 def test_a_crashed_elastic_phase_resumes_at_the_newest_published_version(tmp_path, monkeypatch):
