@@ -174,6 +174,10 @@ class RLConfig(_Section):
     """An entropy bonus: the loss subtracts this × the policy's entropy at each trained token, weighted as
     the policy loss is (0: none). Under Adam a consistent term outweighs a noisy policy gradient even when
     small: on `default` 0.0005 already drove the policy to 0% (README ablations)."""
+    progress_credit: float = Field(0.0, ge=0)
+    """Per-turn credit: each call's tokens get, besides the execution's advantage, this × the progress its
+    action made (the environment's `progress()` after it minus before; envs without that hook: 0). Needs
+    `processor.mode=flat` (or the elastic phase, which streams flat sequences)."""
 
 
 class ProcessorConfig(_Section):
@@ -326,6 +330,13 @@ class GyreConfig(_Section):
         if any(lo < ev[1] and ev[0] < hi for lo, hi in ranges):
             raise ValueError(f"env.eval_seed_start: held-out seeds [{ev[0]}, {ev[1]}) overlap training or demonstration seeds "
                              f"{ranges}; move env.eval_seed_start")
+        return self
+
+    @model_validator(mode="after")
+    def _progress_credit_is_flat(self):
+        if self.rl.progress_credit and self.processor.mode == "tree" and not self.elastic.enabled:
+            raise ValueError("rl.progress_credit: per-turn credit is given to flat sequences; set "
+                             "processor.mode=flat (tree mode credits whole paths)")
         return self
 
     @model_validator(mode="after")

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-SCHEMA_VERSION = 2      # 2: calls gained tool_call_ids and payload_uri (version 1 lakes still read)
+SCHEMA_VERSION = 3      # 2: calls gained tool_call_ids and payload_uri; 3: progress (older lakes still read)
 
 # Roles of a model-call context, highest training priority first (the processor may reorder).
 ROLES = ("main", "main-summary", "sub-agent", "sub-agent-summary")
@@ -44,6 +44,7 @@ class CallRecord:
     t_start: float = 0.0
     t_end: float = 0.0
     tool_call_ids: list[str] = field(default_factory=list)   # tool invocations this completion made
+    progress: float | None = None  # the env's progress() when the call was made (None: the env has no such hook)
 
     def delta(self) -> list[int]:
         """Prompt tokens not supplied by the parent (what the lake stores)."""

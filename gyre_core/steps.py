@@ -565,7 +565,7 @@ def process(run_dir: str, step: int) -> str:
         batch = TrainBatch(tb.sequences, tb.normaliser, tb.n_executions, tb.excluded)
         extra = {"tokens_unique": tb.tokens_unique, "tokens_flat": tb.tokens_flat}
     else:
-        batch = build_batch(records, adv, mult)
+        batch = build_batch(records, adv, mult, run.cfg.rl.progress_credit)
     tables["train_tokens"] = train_tokens_table({
         "run_id": run.run_id, "step": step, "execution_id": s.execution_id, "call_index": s.call_index,
         "advantage": next((a for a, w in zip(s.advantages, s.weights) if w), 0.0),

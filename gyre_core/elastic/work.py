@@ -205,7 +205,8 @@ class HarnessWork:
         items = []
         for r in group:
             try:
-                seqs = execution_sequences(r, adv[r.execution_id]) if r.execution_id in adv else []
+                seqs = (execution_sequences(r, adv[r.execution_id], rl.progress_credit)
+                        if r.execution_id in adv else [])
             except RecordMismatch:   # a record whose calls do not line up is not trained (as in build_batch)
                 seqs = []
             items.append((r.execution_id, seqs, [v for sq in seqs for v, w in zip(sq.versions, sq.weights) if w]))

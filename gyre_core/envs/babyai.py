@@ -153,6 +153,10 @@ class BabyAIEnv:
                    "steps": float(self._u.step_count)}
         return Score(success=self._success, partial=partial, details=details)
 
+    def progress(self) -> float:
+        """The partial score of the state now (1.0 once solved): the subgoals' closeness."""
+        return self.score().partial
+
     def summary(self) -> str:
         s = self.score().details
         return (f"mission: {self.mission()}. steps {self._u.step_count}. "

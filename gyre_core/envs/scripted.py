@@ -12,7 +12,7 @@ actions (default 3 * length). The seed only changes the mission text, so episode
 are distinguishable while the dynamics stay trivially predictable.
 Score: success = reached the end; partial = position / length (1.0 on success);
 details = {"position": position, "steps": steps}.
-Implements every optional hook: expert_action (always `forward`), corpus, save_state/restore_state.
+Implements every optional hook: expert_action (always `forward`), corpus, save_state/restore_state, progress.
 """
 from __future__ import annotations
 
@@ -74,6 +74,9 @@ class ScriptedEnv:
         return f"{self.mission()}; {self._observe()}"
 
     # --- optional hooks ---
+    def progress(self) -> float:
+        return min(self._s["pos"] / self.length, 1.0)
+
     def expert_action(self) -> str | None:
         return None if self._s["done"] else "forward"
 

@@ -109,6 +109,7 @@ def fork_tree(group: list[ExecutionSpec], k: int, depth: int, window: tuple[int,
 class Execution:
     def __init__(self, spec: ExecutionSpec, env, fmt: ChatFormat, cfg: HarnessConfig, stop_texts: dict[int, str]):
         self.env, self.fmt, self.cfg, self.stop_texts = env, fmt, cfg, stop_texts
+        self._has_progress = callable(getattr(env, "progress", None))
         self.record = ExecutionRecord(
             run_id=spec.run_id, step=spec.step, execution_id=spec.execution_id, task_id=spec.task_id,
             seed=spec.seed, split=spec.split, env=getattr(env, "name", type(env).__name__),
@@ -186,6 +187,8 @@ class Execution:
         self.tokens_used += self._new_tokens + len(call.completion_ids)
         text = self.fmt.tokenizer.decode(_strip_stop(call.completion_ids, self.stop_texts), skip_special_tokens=True)
         try:
+            if self._has_progress:    # where the episode stood when the policy chose this action
+                call.progress = float(self.env.progress())
             result = self.env.step(text)
         except Exception as exc:
             self._fail(exc)

@@ -104,9 +104,27 @@ def context_sequences(rec: ExecutionRecord) -> list[tuple[list[int], list[tuple[
     return out
 
 
-def execution_sequences(rec: ExecutionRecord, advantage: float) -> list[TrainSequence]:
-    """Sequences of one execution with per-token weight 1/(its trainable tokens): the inner average."""
+def progress_steps(rec: ExecutionRecord) -> dict[int, float]:
+    """call_index -> how much the call's action moved the episode's progress: the env's `progress()` at
+    the next call (after the last call: the execution's final partial score) minus at this one. Calls
+    without a recorded progress (an env without the hook) move nothing."""
+    calls = sorted(rec.calls, key=lambda c: c.call_index)
+    out = {}
+    for c, nxt in zip(calls, calls[1:] + [None]):
+        after = rec.partial if nxt is None else nxt.progress
+        out[c.call_index] = 0.0 if c.progress is None or after is None else after - c.progress
+    return out
+
+
+def execution_sequences(rec: ExecutionRecord, advantage: float, progress_credit: float = 0.0) -> list[TrainSequence]:
+    """Sequences of one execution with per-token weight 1/(its trainable tokens): the inner average.
+
+    Every generated token of a call gets the execution's `advantage`, plus `progress_credit` × the
+    progress that call's action made (`progress_steps`): a per-turn term from the environment's own
+    measure of progress, so a turn that got closer to the goal is credited in a failed execution too,
+    and one that lost ground is blamed in a successful one."""
     ctxs = context_sequences(rec)
+    moved = progress_steps(rec) if progress_credit else {}
     n_train = sum(len(c.completion_ids) for _, spans in ctxs for _, c in spans)
     if n_train == 0:
         return []
@@ -114,27 +132,29 @@ def execution_sequences(rec: ExecutionRecord, advantage: float) -> list[TrainSeq
     seqs = []
     for seq, spans in ctxs:
         n = len(seq)
-        old, weights, versions = [0.0] * n, [0.0] * n, [-1] * n
+        old, weights, versions, adv = [0.0] * n, [0.0] * n, [-1] * n, [0.0] * n
         for start, c in spans:
+            a = advantage + progress_credit * moved.get(c.call_index, 0.0)
             for k, tok in enumerate(c.completion_ids):
                 old[start + k] = c.logprobs[k]
                 weights[start + k] = w
                 versions[start + k] = c.versions[k]
+                adv[start + k] = a
         seqs.append(TrainSequence(
             execution_id=rec.execution_id, call_index=spans[-1][1].call_index, input_ids=seq,
             score_from=[j - 1 for j in range(n)], old_logprobs=old,
-            advantages=[advantage if weights[j] else 0.0 for j in range(n)], weights=weights, versions=versions))
+            advantages=adv, weights=weights, versions=versions))
     return seqs
 
 
 def build_batch(records: list[ExecutionRecord], advantages: dict[str, float],
-                multiplicity: dict[str, int] | None = None) -> TrainBatch:
+                multiplicity: dict[str, int] | None = None, progress_credit: float = 0.0) -> TrainBatch:
     """All trainable executions' sequences; the normaliser is the number of executions kept.
 
     `multiplicity` (default 1 each) is how many identical executions a record stands for (see
     `gyre_core.lake.dedup`): its token weights are multiplied by it and it counts that many times in
     the normaliser and `n_executions`, so the loss and gradient are exactly those of the batch with
-    every duplicate present, each trained on its own.
+    every duplicate present, each trained on its own. `progress_credit`: see `execution_sequences`.
     """
     mult = multiplicity or {}
     seqs: list[TrainSequence] = []
@@ -145,7 +165,7 @@ def build_batch(records: list[ExecutionRecord], advantages: dict[str, float],
             excluded[rec.execution_id] = rec.error or rec.status
             continue
         try:
-            ex_seqs = execution_sequences(rec, advantages[rec.execution_id])
+            ex_seqs = execution_sequences(rec, advantages[rec.execution_id], progress_credit)
         except RecordMismatch as exc:
             excluded[rec.execution_id] = str(exc)
             continue

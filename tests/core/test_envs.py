@@ -19,6 +19,7 @@ from minigrid.envs.babyai.core.verifier import (  # noqa: E402
     AfterInstr, AndInstr, BeforeInstr, GoToInstr, ObjDesc, OpenInstr, PickupInstr, PutNextInstr,
 )
 
+from gyre_core.envs import supports  # noqa: E402
 from gyre_core.envs.babyai import ACTIONS, BabyAIEnv, parse_action  # noqa: E402
 from gyre_core.envs.scripted import ScriptedEnv  # noqa: E402
 
@@ -240,6 +241,25 @@ def test_expert_goto_local_20_seeds():
         lengths.append(turn)
     assert wins == 20  # measured: 20/20, mean 4.55 turns
     assert sum(lengths) / 20 < 8
+
+
+def test_progress_is_the_partial_score_now_and_the_expert_only_gains():
+    """GoToLocal's progress is half the closeness to the target (1 − d / d_max, d_max = 10 in its 8 × 8
+    room) until the target is faced, then 1: an expert's forward step toward it gains 0.05, a turn 0."""
+    env = BabyAIEnv("BabyAI-GoToLocal-v0")
+    assert supports(env, "progress")
+    for seed in range(5):
+        env.reset(seed)
+        seen = [env.progress()]
+        while True:
+            res = env.step(env.expert_action())
+            assert env.progress() == env.score().partial
+            seen.append(env.progress())
+            if res.done:
+                break
+        assert seen[-1] == 1.0 and seen[0] < 0.5
+        steps = [round(b - a, 6) for a, b in zip(seen, seen[1:-1])]
+        assert set(steps) <= {0.0, 0.05}, steps
 
 
 def test_expert_recovers_from_random_actions():

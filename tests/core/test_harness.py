@@ -71,6 +71,8 @@ def test_turn_limit_scores_what_was_left(tok):
     r = _run(tok, HarnessConfig(max_turns=5, context_tokens=4096), policy=Waiter(tok, stop), n=1)[0]
     assert r.status == "turn_limit" and r.turns == 5
     assert not r.success and r.partial == pytest.approx(2 / 6)
+    # each call carries where the corridor walk stood when it was made: cells 0, 1, then 2 (waiting) of 6
+    assert [c.progress for c in r.calls] == pytest.approx([0, 1 / 6, 2 / 6, 2 / 6, 2 / 6])
 
 
 def test_invalid_actions_are_answered_and_counted(tok):

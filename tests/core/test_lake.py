@@ -32,7 +32,7 @@ def _records(run_id: str = "run1", step: int = 3) -> list[ExecutionRecord]:
                     t_start=1.0, t_end=2.0)
     p1 = p0 + [10, 11, 12] + [4, 5]                      # appends to call 0's prompt + completion
     c1 = CallRecord("e1", 1, 0, "main", p1, [13, 14], [-2.0, -0.125], [1, 1],
-                    parent_call=0, prefix_len=6)
+                    parent_call=0, prefix_len=6, progress=0.375)
     # Context compaction mid-execution: a fresh context with no parent.
     p2 = [1, 2, 99, 98]
     c2 = CallRecord("e1", 2, 1, "main-summary", p2, [20], [-0.75], [1], parent_call=-1, prefix_len=0)

@@ -63,6 +63,28 @@ def test_sequences_mask_only_generated_tokens_and_weight_two_levels():
     assert sum(sum(s.weights) for s in batch.sequences) == pytest.approx(2.0)
 
 
+def test_progress_credit_adds_each_turns_own_progress_by_hand():
+    # three calls over two contexts; the env's progress when each was made: 0.2, 0.5, 0.4; final partial 0.6
+    c0 = _call(0, 0, [1, 2, 3], [10, 11], [-0.1, -0.2])
+    c1 = _call(1, 0, [1, 2, 3, 10, 11, 4, 5], [12], [-0.3], parent=0, prefix=5)
+    c2 = _call(2, 1, [1, 6], [13, 14], [-0.4, -0.5])
+    for c, p in zip((c0, c1, c2), (0.2, 0.5, 0.4)):
+        c.progress = p
+    rec = _exec("e", [c0, c1, c2])
+    rec.partial = 0.6
+    # call 0 moved 0.5 - 0.2 = +0.3, call 1 0.4 - 0.5 = -0.1, call 2 (the last) 0.6 - 0.4 = +0.2
+    seqs = execution_sequences(rec, advantage=0.5, progress_credit=2.0)
+    assert seqs[0].advantages == pytest.approx([0, 0, 0, 1.1, 1.1, 0, 0, 0.3])
+    assert seqs[1].advantages == pytest.approx([0, 0, 0.9, 0.9])
+    assert [s.weights for s in seqs] == [s.weights for s in execution_sequences(rec, advantage=0.5)]
+    # off by default; a call without a recorded progress (an env without the hook) moves nothing
+    assert execution_sequences(rec, advantage=0.5)[1].advantages == [0, 0, 0.5, 0.5]
+    c1.progress = None
+    seqs = build_batch([rec], {"e": 0.5}, progress_credit=2.0).sequences
+    assert seqs[0].advantages == pytest.approx([0, 0, 0, 0.5, 0.5, 0, 0, 0.5])   # calls 0 and 1: no pair
+    assert seqs[1].advantages == pytest.approx([0, 0, 0.9, 0.9])
+
+
 def test_record_that_does_not_extend_its_context_is_rejected():
     c0 = _call(0, 0, [1, 2, 3], [10], [-0.1])
     c1 = _call(1, 0, [1, 2, 7, 10, 4], [12], [-0.3], parent=0, prefix=4)
