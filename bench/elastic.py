@@ -140,7 +140,8 @@ def bench_elastic(quick: bool = False, out_dir: str = "data/bench/elastic") -> d
             "k": 2, "steps": steps, "eval_episodes": eval_episodes,
             **{p: {k: r["summary"][k] for k in ("step_s", "busy_frac", "switch_s_rollout_to_train",
                                                  "switch_s_train_to_rollout", "switches", "reroutes",
-                                                 "stale_dropped", "call_s_mean", "optim_s_mean")}
+                                                 "stale_dropped", "call_s_mean", "optim_s_mean",
+                                                 "grad_channel", "reduce_s_mean")}
                | {"eval_success_before": r["eval_success_before"], "eval_success": r["eval_success"]}
                for p, r in real.items()},
             **_speedups(real_step)}

@@ -14,6 +14,7 @@
     gyre bench lake [--json] [--quick]
     gyre bench prefect [--json] [--quick]
     gyre bench cells [--json]
+    gyre bench channel [--json]       (satellites' gradients: process-group reduce vs arrays relayed)
     gyre bench gpu [--json]           (where torch sees a GPU: the GPU path against CPU references)
     gyre sim [--profile laptop|paper-122b|paper-2.4t] [--set k=8 ...] [--policy all] [--async-split best] [--json]
     gyre presets
@@ -253,6 +254,10 @@ def _run_bench(args):
         from bench.cell_launch import bench_cells
 
         result = bench_cells()
+    elif args.what == "channel":
+        from bench.grad_channel import bench_channel
+
+        result = bench_channel()
     elif args.what == "gpu":
         import torch
 
@@ -377,7 +382,7 @@ def main(argv: list[str] | None = None) -> int:
     wk.add_argument("--dry-run", action="store_true", help="check, print the command, do not start")
     wk.set_defaults(fn=cmd_worker)
     b = sub.add_parser("bench", help="benchmarks that print figures")
-    b.add_argument("what", choices=("engine", "processor", "elastic", "lake", "prefect", "cells", "gpu"))
+    b.add_argument("what", choices=("engine", "processor", "elastic", "lake", "prefect", "cells", "channel", "gpu"))
     b.add_argument("--json", action="store_true", help="one line of JSON")
     b.add_argument("--quick", action="store_true", help="fewer repetitions and a smaller workload")
     b.set_defaults(fn=cmd_bench)

@@ -267,6 +267,8 @@ class RealDevice:
         from .collective import ReduceFailed
 
         t0 = time.monotonic()
+        if self.groups is None:     # already on arrays: nothing is held here
+            return 0.0
         try:
             self.groups.reduce_to_core(self._trainer(), t)
         except ReduceFailed as e:

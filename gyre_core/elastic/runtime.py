@@ -95,6 +95,7 @@ class ElasticResult:
     optim_s: list[float] = field(default_factory=list)
     reduce_s: list[float] = field(default_factory=list)   # the core's wait in each update's reduce (collective)
     grad_channel: str = "arrays"  # how satellites' gradients reached the core (at the end of the run)
+    relayed_bytes: int = 0        # gradient bytes the coordinator forwarded (the arrays channel)
     train_stats: dict = field(default_factory=dict)
     micro_by_cell: dict = field(default_factory=dict)
     launch: str = "process"       # how the agents started (elastic.launch)
@@ -118,7 +119,7 @@ class ElasticResult:
                 "calls": len(self.call_s), "call_s_mean": _mean(self.call_s),
                 "micro_steps": len(self.micro_s), "micro_s_total": sum(self.micro_s),
                 "optim_s_mean": _mean(self.optim_s), "reduce_s_mean": _mean(self.reduce_s),
-                "grad_channel": self.grad_channel,
+                "grad_channel": self.grad_channel, "relayed_bytes": self.relayed_bytes,
                 "micro_steps_by_cell": {str(k): v for k, v in sorted(self.micro_by_cell.items())},
                 "launch": self.launch, "start_s": self.start_s,
                 "cell_devices": {str(k): v for k, v in sorted(self.cell_devices.items())}}
@@ -204,6 +205,7 @@ class Coordinator:
         self.channel = "collective" if (ecfg.grad_channel == "collective" and ecfg.cells > 1
                                         and self.work.mode == "real") else "arrays"
         self._store = None                         # the groups' rendezvous (collective), held for the run
+        self.relayed_bytes = 0                     # satellites' gradient arrays forwarded to the core
         self.train_stats: dict[int, dict] = {}    # version trained from → summed micro-step statistics
         self.micro_by_cell: dict[int, int] = {}   # micro-steps each cell computed (and that counted)
         self.kill_cell_at = kill_cell_at     # tests: (cell, seconds) SIGKILLs a cell mid-run
@@ -536,6 +538,7 @@ class Coordinator:
             if self.stream.complete(msg[1], cell):
                 if msg[3] is not None and cell != self.order[0]:
                     self._send(self.order[0], ("grads", msg[3]))   # a satellite's gradient, to the core
+                    self.relayed_bytes += sum(g.nbytes for g in msg[3].values())
                 self.micro_s.append(msg[2])
                 self.micro_by_cell[cell] = self.micro_by_cell.get(cell, 0) + 1
                 self.trained_in.setdefault(self.version, set()).add(cell)
@@ -656,7 +659,8 @@ class Coordinator:
             stale_dropped=self.stream.dropped_stale, decisions=self.decisions, role_spans=self.role_spans,
             busy_spans=self.busy_spans, switch_marks=self.marks, executions=getattr(self.work, "logs", []),
             notes=self.notes, load=self.load, call_s=list(self.router.call_s), micro_s=self.micro_s,
-            optim_s=self.optim_s, reduce_s=self.reduce_s, grad_channel=self.channel, train_stats=self.train_stats, micro_by_cell=self.micro_by_cell,
+            optim_s=self.optim_s, reduce_s=self.reduce_s, grad_channel=self.channel,
+            relayed_bytes=self.relayed_bytes, train_stats=self.train_stats, micro_by_cell=self.micro_by_cell,
             launch=self.launcher.name, start_s=self.start_s, cell_devices=dict(self.cell_devices))
 
 
