@@ -461,6 +461,32 @@ def _check_args(w: Workload, k: int, capacity: int, policy: str, split: int, sta
         raise ValueError("sim: workload durations must be ≥ 0")
 
 
+def step_s_floor(workload: Workload, k: int, capacity: int, max_staleness: int) -> float:
+    """A floor under any role policy's step time on this fleet: the larger of two bounds.
+
+    - Work: each execution holds a rollout slot for its calls and environment turns, n·(call_s + env_s),
+      and a rollout cell has `capacity` slots, so a burst needs ≥ Σ n·(call_s + env_s) / capacity rollout
+      cell-seconds, plus Σ train_s(n) training cell-seconds and the update (optimizer step and publish);
+      K cells give K cell-seconds a second.
+    - Critical path: burst s + S + 1 (S = `max_staleness`) is dispatched only once version s + 1 exists,
+      i.e. after burst s's longest execution ran its n_max·(call_s + env_s), the micro-step holding it
+      trained (≥ train_s(n_max)) and the update ran. Chains s, s + S + 1, s + 2(S + 1), ... add up.
+    Switches, partly filled cells and queueing only add. (An execution moved off a cell mid-turn holds no
+    slot until its next call, so a policy that moves executions could in principle shave some of the env
+    part of the work bound; the waterlevel moves one only where another cell has a free slot for it.)"""
+    w = workload
+    steps = max(w.steps, 1)
+    update = w.optimizer_s + w.publish_s
+    work, path = 0.0, []
+    for s in range(w.steps):
+        calls = w.calls(s)
+        work += sum(n * (w.call_s + w.env_s) for n in calls) / capacity + sum(w.train_s(n) for n in calls) + update
+        n_max = max(calls)
+        path.append(n_max * (w.call_s + w.env_s) + w.train_s(n_max) + update)
+    chain = max(sum(path[s0::max_staleness + 1]) for s0 in range(min(max_staleness + 1, len(path)))) if path else 0.0
+    return max(work / k, chain) / steps
+
+
 def simulate(workload: Workload, k: int, capacity: int, policy: str, async_train_cells: int = 1,
              max_staleness: int = 1, micro_step_executions: int = 4) -> SimResult:
     """Run `workload` on K cells of `capacity` slots under `policy` (colocated | async | elastic)."""
@@ -480,6 +506,16 @@ class Comparison:
     max_staleness: int
     micro_step_executions: int
 
+    @property
+    def step_s_floor(self) -> float:
+        return step_s_floor(self.workload, self.k, self.capacity, self.max_staleness)
+
+    @property
+    def max_speedup_vs_async(self) -> float | None:
+        """What any policy could gain over the async split at most: its step time over the floor."""
+        a = self.results.get("async")
+        return a.step_s / self.step_s_floor if a else None
+
     def speedup(self, of: str, over: str) -> float | None:
         a, b = self.results.get(of), self.results.get(over)
         return b.step_s / a.step_s if a and b and a.step_s > 0 else None
@@ -489,6 +525,8 @@ class Comparison:
                 "speedup_vs_colocated": self.speedup("elastic", "colocated"),
                 "speedup_vs_async": self.speedup("elastic", "async"),
                 "async_split": self.async_split, "async_sweep": {str(s): v for s, v in self.async_sweep.items()},
+                "step_s_floor": self.step_s_floor,
+                "max_speedup_vs_async": self.max_speedup_vs_async,
                 "fleet": {"k": self.k, "capacity": self.capacity, "max_staleness": self.max_staleness,
                           "micro_step_executions": self.micro_step_executions},
                 "workload": self.workload.to_dict()}
@@ -548,6 +586,12 @@ def format_comparison(c: Comparison, title: str, paper: dict | None = None) -> s
     if sc is not None or sa is not None:
         parts = [f"{v:.2f}× vs {n}" for v, n in ((sc, "colocated"), (sa, "async")) if v is not None]
         lines.append("elastic speedup: " + ", ".join(parts))
+    floor = c.step_s_floor
+    lines.append(f"floor under any policy (work over K cells, or the staleness-gated critical path): "
+                 f"{fmt_s(floor)} a step" + (f"; elastic at {c.results['elastic'].step_s / floor:.2f}× it"
+                                             if "elastic" in c.results else ""))
+    if c.max_speedup_vs_async is not None:
+        lines.append(f"  → no policy can beat async by more than {c.max_speedup_vs_async:.2f}× on this fleet and workload")
     if len(c.async_sweep) > 1:
         lines.append("async splits (train cells → step): " +
                      ", ".join(f"{s}→{fmt_s(v)}" for s, v in c.async_sweep.items()) + f"; best {c.async_split}")

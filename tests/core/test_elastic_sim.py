@@ -13,7 +13,7 @@ import pytest
 
 from gyre_core.cli import main
 from gyre_core.elastic.profiles import get_profile, with_overrides, workload_from_trace
-from gyre_core.elastic.sim import _Exec, _Sim, compare, compare_results, simulate
+from gyre_core.elastic.sim import _Exec, _Sim, compare, compare_results, simulate, step_s_floor
 from gyre_core.elastic.timeline import BusySpan, RoleSpan, busy_fractions, plot_timeline
 from gyre_core.elastic.workload import Workload
 
@@ -237,6 +237,25 @@ def test_compare_sweeps_async_splits_and_reports_ratios():
         simulate(p.workload, p.k, p.capacity, "async", async_train_cells=4)
     for r in c.results.values():
         check_invariants(r)
+
+
+def test_step_s_floor_by_hand_and_no_policy_goes_below_it():
+    # the by-hand fleet of test_colocated_two_steps_by_hand: bursts [2, 4] and [1, 1], call 1 s + env 0.5 s,
+    # train 0.25 s a call, update 0.5 s. Work, K = 2, capacity 10: slot-seconds 9 + 3 = 12 → 1.2 rollout
+    # cell-seconds; training 8 calls × 0.25 = 2; two updates 1.0 → (1.2 + 2 + 1) / 2 cells / 2 steps = 1.05.
+    # Critical path: burst 0's longest execution 4 × 1.5 = 6, its training 1, the update 0.5 → 7.5; burst 1:
+    # 1.5 + 0.25 + 0.5 = 2.25. S = 0 chains both: 9.75 / 2 steps; S ≥ 1 leaves them apart: 7.5 / 2.
+    w = scripted([[2, 4], [1, 1]], call_s=1.0, env_s=0.5, train_s_per_call=0.25, optimizer_s=0.3, publish_s=0.2)
+    assert step_s_floor(w, 2, 10, 0) == pytest.approx(9.75 / 2)
+    assert step_s_floor(w, 2, 10, 1) == pytest.approx(7.5 / 2)
+    assert step_s_floor(w, 2, 1, 1) == pytest.approx((12 + 2.0 + 1.0) / 2 / 2)    # one slot a cell: work wins
+    assert simulate(w, k=2, capacity=10, policy="colocated").step_s >= step_s_floor(w, 2, 10, 0)
+    for name in ("laptop", "paper-122b", "paper-2.4t"):
+        p = get_profile(name)
+        c = compare_results(p.workload, p.k, p.capacity, p.max_staleness, "best", p.micro_step_executions)
+        floor = step_s_floor(p.workload, p.k, p.capacity, p.max_staleness)
+        assert all(r.step_s >= floor for r in c.results.values()), (name, floor)
+        assert c.to_dict()["max_speedup_vs_async"] == pytest.approx(c.results["async"].step_s / floor)
 
 
 def test_cli_json(tmp_path, capsys):
