@@ -174,6 +174,10 @@ class RLConfig(_Section):
     """An entropy bonus: the loss subtracts this × the policy's entropy at each trained token, weighted as
     the policy loss is (0: none). Under Adam a consistent term outweighs a noisy policy gradient even when
     small: on `default` 0.0005 already drove the policy to 0% (README ablations)."""
+    optimizer: Literal["adamw", "sgd"] = "adamw"
+    """The RL update's optimizer. `sgd`: plain gradient descent, the step proportional to the (clipped)
+    gradient — Adam scales each weight's step to about ±lr whatever the gradient's size, which lets a small
+    but consistent term or noise move the policy as much as the signal; `sgd` needs a far larger `lr`."""
     progress_credit: float = Field(0.0, ge=0)
     """Per-turn credit: each call's tokens get, besides the execution's advantage, this × the progress its
     action made (the environment's `progress()` after it minus before; envs without that hook: 0). Needs

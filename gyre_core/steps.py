@@ -595,6 +595,7 @@ def _trainer(run: RunDir, version: int):
     cfg = run.cfg
     model, tok = load_policy(str(run.warm), device=cfg.model.device)
     trainer = Trainer(model, lr=cfg.rl.lr, zero_stage=cfg.trainer.zero_stage, grad_clip=cfg.rl.grad_clip,
+                      optimizer=cfg.rl.optimizer,
                       pad_id=tok.pad_token_id or 0)
     if version > 0:
         state = trainer.load(str(run.ckpt), f"v{version}")

@@ -183,6 +183,7 @@ class RealDevice:
 
             kw = self.train_kw
             self.trainer = Trainer(self.engine.model, lr=kw["lr"], zero_stage=kw["zero_stage"],
+                                   optimizer=kw.get("optimizer", "adamw"),
                                    grad_clip=kw["grad_clip"], pad_id=self.pad_id)
         return self.trainer
 

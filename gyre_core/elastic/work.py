@@ -141,6 +141,7 @@ class HarnessWork:
                  "temperature": cfg.rollout.temperature, "clip_low": rl.clip_low, "clip_high": rl.clip_high,
                  "is_cap": cfg.elastic.is_cap, "negative_scale": rl.negative_scale,
                  "micro_batch_tokens": rl.micro_batch_tokens, "entropy_coef": rl.entropy_coef,
+                 "optimizer": rl.optimizer,
                  "device": cfg.model.device}
         return ["--mode", "real", "--policy", str(self.run.warm), "--weights",
                 self.cfg.trainer.publish_root or str(self.run.path / "weights"),

@@ -66,17 +66,24 @@ def init_distributed() -> None:
 
 class Trainer:
     def __init__(self, model, *, lr: float, zero_stage: int = 1, grad_clip: float = 1.0,
-                 weight_decay: float = 0.0, pad_id: int = 0):
+                 weight_decay: float = 0.0, pad_id: int = 0, optimizer: str = "adamw"):
+        """`optimizer`: `adamw` (betas 0.9, 0.99) or `sgd` (plain: the step is −lr × the clipped gradient)."""
         init_distributed()
         import deepspeed
 
         self.pad_id = pad_id
-        opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay, betas=(0.9, 0.99))
+        if optimizer == "adamw":
+            opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay, betas=(0.9, 0.99))
+        elif optimizer == "sgd":
+            opt = torch.optim.SGD(model.parameters(), lr=lr, weight_decay=weight_decay)
+        else:
+            raise ValueError(f"optimizer {optimizer!r}: expected 'adamw' or 'sgd'")
         ds_config = {
             "train_micro_batch_size_per_gpu": 1,
             "gradient_accumulation_steps": 1,
             "gradient_clipping": grad_clip,
             "zero_optimization": {"stage": zero_stage},
+            "zero_allow_untested_optimizer": optimizer != "adamw",   # plain SGD: ZeRO partitions it as any other
             "steps_per_print": 10**9,
             "wall_clock_breakdown": False,
         }

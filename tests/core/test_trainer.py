@@ -71,6 +71,29 @@ def test_split_micro_steps_match_torch_on_the_whole_batch(model):
     assert shift["clipped"] == ((log_r.exp() < 0.8) | (log_r.exp() > 1.28)).sum().item()
 
 
+def test_sgd_steps_by_minus_lr_times_the_clipped_gradient(model):
+    """`optimizer="sgd"`: each weight moves by −lr × its gradient, scaled by clip / norm when the norm is over
+    the clip — checked against a plain-torch backward of the same loss."""
+    seqs = _seqs(5, 250, seed=3)
+    ref = copy.deepcopy(model)
+    c = collate(seqs, pad_id=0)
+    logp, _ = token_logprobs(ref(input_ids=c.input_ids, attention_mask=c.attention_mask).logits, c)
+    loss, _ = ppo_clip_loss(logp, c, 0.2, 0.28, 5.0)
+    loss.backward()
+    grads = {n: p.grad.detach().clone() for n, p in ref.named_parameters()}
+    norm = math.sqrt(sum(g.double().pow(2).sum().item() for g in grads.values()))
+    clip, lr = norm / 4, 0.5                       # the clip scales the gradient by 1/4
+    trainer = Trainer(copy.deepcopy(model), lr=lr, zero_stage=1, grad_clip=clip, optimizer="sgd")
+    trainer.micro_step(seqs, 5.0, objective="ppo", last=True)
+    assert trainer.optimizer_step() == pytest.approx(norm, rel=1e-4)
+    start = dict(model.named_parameters())
+    for n, p in trainer.model.named_parameters():
+        want = start[n].detach() - lr * grads[n] * (clip / norm)
+        assert torch.allclose(p.detach().cpu(), want, atol=1e-6), n
+    with pytest.raises(ValueError, match="'adamw' or 'sgd'"):
+        Trainer(copy.deepcopy(model), lr=lr, optimizer="lion")
+
+
 def test_optimizer_step_before_last_micro_step_is_refused(model):
     trainer = Trainer(copy.deepcopy(model), lr=1e-3)
     trainer.micro_step(_seqs(2, 250, seed=2), 2.0, objective="nll", last=False)
