@@ -591,7 +591,8 @@ def format_comparison(c: Comparison, title: str, paper: dict | None = None) -> s
                  f"{fmt_s(floor)} a step" + (f"; elastic at {c.results['elastic'].step_s / floor:.2f}× it"
                                              if "elastic" in c.results else ""))
     if c.max_speedup_vs_async is not None:
-        lines.append(f"  → no policy can beat async by more than {c.max_speedup_vs_async:.2f}× on this fleet and workload")
+        lines.append(f"  → no policy can beat async by more than {c.max_speedup_vs_async:.2f}× "
+                     "on this fleet and workload")
     if len(c.async_sweep) > 1:
         lines.append("async splits (train cells → step): " +
                      ", ".join(f"{s}→{fmt_s(v)}" for s, v in c.async_sweep.items()) + f"; best {c.async_split}")

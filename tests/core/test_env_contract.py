@@ -41,7 +41,8 @@ def test_env_keeps_the_contract(target, kwargs):
 
 
 def test_hooks_reported():
-    assert all(supports(ScriptedEnv(), h) for h in ("expert_action", "corpus", "save_state", "restore_state", "progress"))
+    assert all(supports(ScriptedEnv(), h)
+               for h in ("expert_action", "corpus", "save_state", "restore_state", "progress"))
     guess = load_env("examples.custom_env:GuessEnv")
     assert supports(guess, "expert_action") and not supports(guess, "save_state")
     with pytest.raises(ValueError, match="unknown hook"):
