@@ -142,6 +142,10 @@ class WarmStartConfig(_Section):
     lr_final: float | None = Field(None, gt=0)
     """Cosine decay from `lr` to this over the warm start's steps (None: constant `lr`). The supervised
     control continues at `lr_final`, where the warm start left off."""
+    expert_epsilon: float = Field(0.0, ge=0, le=1)
+    """An imperfect demonstrator: at each turn the expert takes a uniformly random action with this
+    probability (0: the env's expert as is). The warm start and the supervised control both learn from it
+    (successful episodes only); RL is not bound by it."""
 
 
 class RLConfig(_Section):

@@ -253,7 +253,8 @@ def _demonstrations(run: RunDir, seeds: list[int], kind: str, label: str) -> lis
     specs = [ExecutionSpec(run.run_id, -1, f"{run.run_id}/{kind}/{i}", f"seed{s}", s, kind)
              for i, s in enumerate(seeds)]
     with phase(label, len(specs)) as tick:
-        return _run_policy(run, specs, ExpertPolicy(_tokenizer(run), _stop_id(run)), lambda r: tick())
+        expert = ExpertPolicy(_tokenizer(run), _stop_id(run), run.cfg.warmstart.expert_epsilon, run.cfg.run.seed)
+        return _run_policy(run, specs, expert, lambda r: tick())
 
 
 def supervised_lr(ws, step: int, n_steps: int | None) -> float:

@@ -45,16 +45,32 @@ class _TextPolicy:
     def complete(self, calls: list[ModelCall]) -> list[Completion]:
         out = []
         for c in calls:
-            ids = self._ids(self.choose(c.execution.env))
+            ids = self._ids(self.choose_for(c.execution))
             out.append(Completion(ids, [0.0] * len(ids), "stop", self.version))
         return out
 
     def release(self, key: str) -> None:
         pass
 
+    def choose_for(self, execution) -> str:
+        return self.choose(execution.env)
+
 
 class ExpertPolicy(_TextPolicy):
-    """The environment's `expert_action()` hook (demonstrations for the warm start)."""
+    """The environment's `expert_action()` hook (demonstrations for the warm start). With `epsilon` > 0 an
+    imperfect demonstrator: at each turn, with that probability, a uniformly random action word instead
+    (drawn from the episode's seed and turn, so the same demonstrations come out however calls are batched)."""
+
+    def __init__(self, tokenizer, stop_id: int, epsilon: float = 0.0, seed: int = 0):
+        super().__init__(tokenizer, stop_id)
+        self.epsilon, self.seed = epsilon, seed
+
+    def choose_for(self, execution) -> str:
+        if self.epsilon > 0:
+            rng = random.Random(f"{self.seed}:{execution.record.seed}:{execution.record.turns}")
+            if rng.random() < self.epsilon:
+                return rng.choice(execution.env.actions)
+        return self.choose(execution.env)
 
     def choose(self, env) -> str:
         action = env.expert_action()

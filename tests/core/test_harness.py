@@ -93,6 +93,28 @@ def test_invalid_actions_are_answered_and_counted(tok):
     assert [c.tool_call_ids for c in r.calls] == [[]] + [[f"e0/{i}"] for i in range(1, 7)]
 
 
+def test_an_imperfect_expert_takes_the_random_action_its_seed_and_turn_draw(tok):
+    import random
+
+    stop = tok.convert_tokens_to_ids(IM_END)
+    cfg = HarnessConfig(max_turns=30, context_tokens=4096)
+    recs = _run(tok, cfg, policy=ExpertPolicy(tok, stop, epsilon=0.5, seed=7), n=4)
+    again = _run(tok, cfg, policy=ExpertPolicy(tok, stop, epsilon=0.5, seed=7), n=4)
+    taken = [[tok.decode(c.completion_ids[:-1]) for c in r.calls] for r in recs]
+    assert taken == [[tok.decode(c.completion_ids[:-1]) for c in r.calls] for r in again]
+    for r, acts in zip(recs, taken):     # the corridor by hand: 6 cells, 18 steps at most, `done` ends it
+        pos, want = 0, []
+        for turn in range(cfg.max_turns):
+            rng = random.Random(f"7:{r.seed}:{turn}")
+            a = rng.choice(ScriptedEnv.actions) if rng.random() < 0.5 else "forward"
+            want.append(a)
+            pos = pos + 1 if a == "forward" else max(pos - 1, 0) if a == "back" else pos
+            if a == "done" or pos >= 6 or turn + 1 >= 18:
+                break
+        assert acts == want and r.success == (pos >= 6)
+    assert any(a != "forward" for acts in taken for a in acts)    # the noise did act
+
+
 def test_env_exception_fails_one_execution_and_the_rest_go_on(tok):
     class Exploding(ScriptedEnv):
         def step(self, action):
