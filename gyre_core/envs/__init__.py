@@ -100,6 +100,8 @@ def check_environment(env: object, seeds: tuple[int, ...] = (0, 1), steps: int =
         checks.append(_check_save_restore)
     if supports(env, "corpus"):
         checks.append(_check_corpus)
+    if supports(env, "progress"):
+        checks.append(_check_progress)
     for check in checks:
         try:
             problems += check(env, seeds, steps)
@@ -251,6 +253,29 @@ def _check_corpus(env: Any, seeds: tuple[int, ...], steps: int) -> list[str]:
     if env.step(probe[1]).observation != ref[1].observation:
         return ["corpus() disturbed the current episode"]
     return []
+
+
+def _check_progress(env: Any, seeds: tuple[int, ...], steps: int) -> list[str]:
+    """progress() is a number in [0, 1] at every state of a probe, 1.0 once solved, and asking it does not
+    change what the episode does next."""
+    out = []
+    for seed in seeds:
+        probe = _probe(env, seed, steps)
+        ref = _rollout(env, seed, probe)
+        env.reset(seed)
+        for i, action in enumerate(probe):
+            p = env.progress()
+            if isinstance(p, bool) or not isinstance(p, (int, float)) or not 0.0 <= p <= 1.0:
+                out.append(f"seed {seed}: progress() returned {p!r}, not a number in [0, 1]")
+                break
+            env.progress()
+            if env.step(action).observation != ref[i].observation:
+                out.append(f"seed {seed}: calling progress() changed the episode")
+                break
+        else:
+            if env.score().success and env.progress() != 1.0:
+                out.append(f"seed {seed}: progress() is {env.progress()!r} in a solved episode, not 1.0")
+    return sorted(set(out), key=out.index)
 
 
 # --- helpers ----------------------------------------------------------------------------------------

@@ -20,8 +20,9 @@ Optional hooks (use `supports(env, hook)` to ask whether an env has one):
   forking executions; after `restore_state(s)` the same actions give the same observations as they
   did after `s` was saved, and `s` stays reusable (restore twice, fork twice). Both or neither.
 - `progress(self) -> float` — how far the current episode is toward its goal, in [0, 1] (the partial
-  score the state would get now; 1.0 once solved). Cheap: the harness asks before every action and
-  records it on the call (`CallRecord.progress`), which `rl.progress_credit` turns into per-turn credit.
+  score the state would get now; 1.0 once solved). Cheap, and it must not disturb the episode: the
+  harness asks before every action and records it on the call (`CallRecord.progress`), which
+  `rl.progress_credit` turns into per-turn credit.
 """
 from __future__ import annotations
 

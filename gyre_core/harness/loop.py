@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Protocol
 
 from ..config import HarnessConfig
+from ..envs.protocol import supports
 from ..records import (CallRecord, ExecutionRecord, STATUS_DONE, STATUS_FAILED, STATUS_TIMEOUT,
                        STATUS_TOKEN_LIMIT, STATUS_TURN_LIMIT)
 from .conversation import ChatFormat
@@ -109,7 +110,7 @@ def fork_tree(group: list[ExecutionSpec], k: int, depth: int, window: tuple[int,
 class Execution:
     def __init__(self, spec: ExecutionSpec, env, fmt: ChatFormat, cfg: HarnessConfig, stop_texts: dict[int, str]):
         self.env, self.fmt, self.cfg, self.stop_texts = env, fmt, cfg, stop_texts
-        self._has_progress = callable(getattr(env, "progress", None))
+        self._has_progress = supports(env, "progress")
         self.record = ExecutionRecord(
             run_id=spec.run_id, step=spec.step, execution_id=spec.execution_id, task_id=spec.task_id,
             seed=spec.seed, split=spec.split, env=getattr(env, "name", type(env).__name__),

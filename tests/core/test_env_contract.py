@@ -109,12 +109,25 @@ class WrongExpert(ScriptedEnv):
         return "fly"
 
 
+class ProgressOutOfRange(ScriptedEnv):
+    def progress(self):
+        return 1.5
+
+
+class ProgressThatMoves(ScriptedEnv):
+    def progress(self):
+        self._s["pos"] = min(self._s["pos"] + 1, self.length - 1)
+        return super().progress()
+
+
 @pytest.mark.parametrize(("env", "expected"), [
     (Nondeterministic(), "reset(0) is not deterministic"),
     (InvalidMovesAnyway(), "an invalid action changed score() or summary()"),
     (ScoreOutOfRange(), "is outside [0, 1]"),
     (ForgetfulRestore(), "restore_state did not restore score()/summary()"),
     (WrongExpert(), "expert_action() returned 'fly', not one of actions or None"),
+    (ProgressOutOfRange(), "progress() returned 1.5, not a number in [0, 1]"),
+    (ProgressThatMoves(), "calling progress() changed the episode"),
 ])
 def test_broken_env_is_reported(env, expected):
     problems = check_environment(env, steps=8)
