@@ -3,8 +3,9 @@
     gyre bench channel --json          # ~6 minutes on a 2-core CPU
     python -m bench.grad_channel
 
-The same elastic RL phase (smoke preset on a wider model, `WIDE`: ~2M parameters, so a gradient is ~8 MB;
-K real CPU cells, `colocated` so every cell trains every step) twice from one warm start, side by side:
+The same elastic RL phase (smoke preset on a wider model, `WIDE`: ~3.2M parameters, so a gradient is ~12 MB;
+K real CPU cells, `colocated` so every cell trains every step) twice, side by side, each from the same
+deterministic warm start:
 
 - **collective** (`elastic.grad_channel=collective`, the default): satellites keep their micro-steps'
   gradients; at each update the cells of the prefix that trained sum them onto the core with one gloo
@@ -49,9 +50,9 @@ def _run(root: str, channel: str, cells: int) -> dict:
     grad_bytes = 4 * sum(p.numel() for p in model.parameters())
     sat = sum(v for k, v in s["micro_steps_by_cell"].items() if k != "0")
     return {"step_s": round(s["step_s"], 3), "elastic_s": round(time.time() - t0, 2),
-                     "relayed_mb": round(s["relayed_bytes"] / 2**20, 2), "grad_mb": round(grad_bytes / 2**20, 2),
-                     "reduce_s_mean": s["reduce_s_mean"], "optim_s_mean": s["optim_s_mean"],
-                     "satellite_micro_steps": sat, "grad_channel": s["grad_channel"]}
+            "relayed_mb": round(s["relayed_bytes"] / 2**20, 2), "grad_mb": round(grad_bytes / 2**20, 2),
+            "reduce_s_mean": s["reduce_s_mean"], "optim_s_mean": s["optim_s_mean"],
+            "satellite_micro_steps": sat, "grad_channel": s["grad_channel"]}
 
 
 def bench_channel(cells: int = 2) -> dict:
