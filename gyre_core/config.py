@@ -220,9 +220,12 @@ class EvalConfig(_Section):
     random_baseline: bool = True
     """Also report a uniform-random policy on the same seeds."""
     control: bool = True
-    """After RL, run the supervised-only control: from the warm start, behaviour cloning for the RL
-    phase's wall time, on the warm start's demonstrations plus expert runs of the RL tasks; evaluated
-    on the same held-out seeds."""
+    """After RL, run the supervised-only control: from the warm start, behaviour cloning on the warm
+    start's demonstrations for the RL phase's wall time; evaluated on the same held-out seeds."""
+    control_rl_tasks: bool = False
+    """The control also gets one expert demonstration of every task RL trained on, collected inside its
+    budget — an oracle RL does not have (RL sees only rewards on those tasks). False: the warm start's
+    demonstrations only, as a user with a fixed demonstration set would continue."""
 
 
 class LakeConfig(_Section):

@@ -328,9 +328,9 @@ def control(run_dir: str, budget_s: float | None = None) -> dict:
     """From the warm start, continue supervised training for exactly the RL phase's wall time
     (or `budget_s` seconds, for ablations).
 
-    The control sees the same tasks RL trained on, labelled by the expert instead of rewarded: the
-    warm start's demonstrations plus one expert execution on every RL training seed. Collecting those
-    counts against its budget, as rollouts count against RL's. Evaluate it with `evaluate(run, "control")`.
+    It trains on the warm start's demonstrations; with `eval.control_rl_tasks` also on one expert
+    execution of every RL training seed (the tasks RL saw, labelled instead of rewarded), collected inside
+    its budget as rollouts count against RL's. Evaluate it with `evaluate(run, "control")`.
     """
     run = RunDir.open(run_dir)
     if (m := run.done("control")) is not None:
@@ -341,9 +341,11 @@ def control(run_dir: str, budget_s: float | None = None) -> dict:
     cfg, t0 = run.cfg, time.time()
     budget = rl_wall_s(run) if budget_s is None else budget_s
     ro = cfg.rollout
-    seeds = [cfg.env.train_seed_start + i for i in range(latest_version(run) * ro.tasks_per_step)]
-    fresh = _demonstrations(run, seeds, "control-demo", "control: demonstrations on the RL tasks")
-    _write_records(run, "control-demos", fresh)
+    fresh = []
+    if cfg.eval.control_rl_tasks:
+        seeds = [cfg.env.train_seed_start + i for i in range(latest_version(run) * ro.tasks_per_step)]
+        fresh = _demonstrations(run, seeds, "control-demo", "control: demonstrations on the RL tasks")
+        _write_records(run, "control-demos", fresh)
     good = [r for r in _read_records(run, "demos") + fresh if r.success]
     model, tok = load_policy(str(run.warm), device=cfg.model.device)
     left = budget - (time.time() - t0)

@@ -1,13 +1,16 @@
 """The `smoke` RL flow under Prefect: what it must leave in the lake and in MLflow, and resume."""
 import json
+import shutil
 
 import pytest
+import yaml
 import torch
 from mlflow.tracking import MlflowClient
 
 from flows.train import train
 from gyre_core import steps
 from gyre_core.lake.sql import connect
+from gyre_core.processor.batch import context_sequences
 from gyre_core.run import _CACHE as run_cache
 from gyre_core.run import RunDir
 from gyre_core.trainer.publish import load_weights
@@ -222,10 +225,10 @@ def test_control_spends_the_rl_wall_time_on_the_same_tasks_and_seeds(clean_run):
         phase_s += run.done(f"publish_{s + 1:04d}")["metrics"]["time/publish_s"]
     assert ctrl["budget_s"] == pytest.approx(phase_s, rel=1e-9)
     assert ctrl["wall_s"] >= ctrl["budget_s"] and ctrl["sft_steps"] >= 1
-    # expert runs of exactly the tasks RL trained on
+    # the warm start's demonstrations and nothing else: no expert runs of the RL tasks
     con = connect(str(tmp_path / "lake"), run_id="flowtest")
-    rl_seeds = _q(con, "SELECT DISTINCT seed FROM executions WHERE split = 'train' ORDER BY 1")
-    assert _q(con, "SELECT seed FROM executions WHERE split = 'control-demo' ORDER BY 1") == rl_seeds
+    assert _q(con, "SELECT count(*) FROM executions WHERE split = 'control-demo'") == [(0,)]
+    assert ctrl["demos"] == 0 and ctrl["sequences"] == run.done("warm_start")["sequences"]
     # evaluated on the same held-out seeds, with the same sampling stream
     before, after, control = (run.done(f"eval_{x}")["sampled"] for x in ("before", "after", "control"))
     assert control["seeds"] == before["seeds"] == after["seeds"]
@@ -243,6 +246,29 @@ def test_control_spends_the_rl_wall_time_on_the_same_tasks_and_seeds(clean_run):
     # the ceiling beside it: the expert's success on its demonstration seeds, from the lake
     demo = _q(con, "SELECT avg(success::INT), count(*) FROM executions WHERE split = 'demo'")[0]
     assert summary["expert"] == {"success": pytest.approx(demo[0]), "episodes": demo[1]}
+
+
+def test_control_with_rl_tasks_adds_expert_runs_of_exactly_the_rl_seeds(tmp_path, clean_run):
+    """`eval.control_rl_tasks`: the control also learns from one expert execution of every RL task."""
+    src_tmp, _ = clean_run
+    shutil.copytree(src_tmp / "lake", tmp_path / "lake")
+    shutil.copytree(src_tmp / "runs" / "flowtest", tmp_path / "flowtest")
+    d = tmp_path / "flowtest"
+    cfg = yaml.safe_load((d / "config.yaml").read_text())
+    cfg["eval"]["control_rl_tasks"] = True
+    cfg["lake"]["root"] = str(tmp_path / "lake")
+    (d / "config.yaml").write_text(yaml.safe_dump(cfg))
+    (d / "markers" / "control.json").unlink()
+    run_cache.clear()
+    ctrl = steps.control(str(d), budget_s=0.0)
+    con = connect(str(tmp_path / "lake"), run_id="flowtest")
+    rl_seeds = _q(con, "SELECT DISTINCT seed FROM executions WHERE split = 'train' ORDER BY 1")
+    assert _q(con, "SELECT seed FROM executions WHERE split = 'control-demo' ORDER BY 1") == rl_seeds
+    run = RunDir.open(d)
+    fresh = [r for r in steps._read_records(run, "control-demos") if r.success]
+    # the warm start's sequences plus the successful new demonstrations' contexts
+    assert ctrl["demos"] == len(rl_seeds) and len(fresh) >= 1
+    assert ctrl["sequences"] == run.done("warm_start")["sequences"] + sum(len(context_sequences(r)) for r in fresh)
 
 
 def test_replay_trains_on_the_stored_trajectories_without_rollouts(tmp_path, monkeypatch, clean_run):
