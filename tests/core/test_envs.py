@@ -9,6 +9,7 @@ at (3, 5) facing up (dir 3) has its right towards +x. d_max = (8 - 3) + (8 - 3) 
 from __future__ import annotations
 
 import random
+import sys
 
 import pytest
 
@@ -19,7 +20,7 @@ from minigrid.envs.babyai.core.verifier import (  # noqa: E402
     AfterInstr, AndInstr, BeforeInstr, GoToInstr, ObjDesc, OpenInstr, PickupInstr, PutNextInstr,
 )
 
-from gyre_core.envs import supports  # noqa: E402
+from gyre_core.envs import babyai, supports  # noqa: E402
 from gyre_core.envs.babyai import ACTIONS, BabyAIEnv, parse_action  # noqa: E402
 from gyre_core.envs.scripted import ScriptedEnv  # noqa: E402
 
@@ -275,6 +276,56 @@ def test_expert_recovers_from_random_actions():
             if env.step(action).done:
                 break
         assert env.score().success, seed
+
+
+def test_a_looping_expert_bot_is_given_up_not_waited_on():
+    """minigrid's bot loops forever in this state (seed 500000557 after these actions: it carries a key and
+    `_find_drop_pos` finds nowhere to drop it; the loop also grows memory). The call budget gives it up:
+    no expert action here, and the env still answers."""
+    env = BabyAIEnv("BabyAI-GoToLocal-v0")
+    env.reset(500_000_557)
+    for a in ["right", "right", "forward", "pickup", "left", "right", "forward", "toggle", "forward"]:
+        env.step(a)
+    assert env.unwrapped.carrying is not None
+    given_up = []
+    real = babyai._within_calls
+
+    def recording(fn, budget):
+        try:
+            return real(fn, budget)
+        except babyai.BotStuck:
+            given_up.append(budget)
+            raise
+
+    babyai._within_calls = recording
+    try:
+        assert env.expert_action() is None
+    finally:
+        babyai._within_calls = real
+    assert given_up == [babyai._BOT_CALL_BUDGET]   # the fresh bot's replan, not the constructor
+    assert not env.step("left").done
+
+
+def test_call_budget_counts_calls_and_restores_the_tracer():
+    def calls(n):
+        for _ in range(n):
+            abs(-1)          # a builtin: not a Python call event
+            (lambda: None)()
+
+    # fn itself, calls(), and n lambdas: n + 2 Python calls; the budget is exactly the calls allowed
+    babyai._within_calls(lambda: calls(98), 100)
+    with pytest.raises(babyai.BotStuck):
+        babyai._within_calls(lambda: calls(99), 100)
+    def outer(frame, event, arg):
+        return None
+
+    sys.settrace(outer)
+    try:
+        babyai._within_calls(lambda: calls(3), 100)
+        after = sys.gettrace()
+    finally:
+        sys.settrace(None)
+    assert after is outer
 
 
 def test_corpus_contents_and_determinism():
