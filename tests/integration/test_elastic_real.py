@@ -100,12 +100,21 @@ def test_real_cells_train_with_exact_per_token_versions(tmp_path, channel):
     records = {s: st._read_records(run, f"step={s}") for s in range(STEPS)}
     assert all(len(records[s]) == n_per_step for s in range(STEPS))
 
-    # versions: real updates, each different from the one before
+    # versions: real updates — each differs from the one before whenever its burst carried a signal (a burst
+    # whose every group had equal rewards, e.g. all solved, has zero advantages: a zero gradient)
     model, _ = load_policy(str(run.warm))
     weights = {0: {k: v.clone() for k, v in model.state_dict().items()}}
+    changed = []
     for v in range(1, STEPS + 1):
         weights[v] = load_weights(run.weights_uri(v))
-        assert any(not torch.equal(weights[v][k], weights[v - 1][k]) for k in weights[v])
+        changed.append(any(not torch.equal(weights[v][k], weights[v - 1][k]) for k in weights[v]))
+        groups: dict[str, set] = {}
+        for r in records[v - 1]:
+            if r.status != "failed":     # not scored, not trained
+                groups.setdefault(r.task_id, set()).add(r.reward)
+        if any(len(rewards) > 1 for rewards in groups.values()):
+            assert changed[-1], v
+    assert any(changed)
 
     # every token: a version the staleness bound allows for its burst, and its behaviour log-prob is what
     # that version's weights assign (recomputed without the engine's KV cache)
