@@ -31,8 +31,10 @@ def summarize(run_dir: str, started_at: float | None = None) -> dict:
         "eval_before": ev(before, "sampled"), "eval_after": ev(after, "sampled"),
         "eval_before_greedy": ev(before, "greedy"), "eval_after_greedy": ev(after, "greedy"),
         "eval_random": ev(before, "random"),
-        # the ceiling: the environment's expert under the same harness limits (its demonstration seeds)
-        "expert": {"success": ws.get("demo_success"), "episodes": ws.get("demos")},
+        # the demonstrator under the same harness limits (its demonstration seeds): with epsilon 0 the
+        # environment's expert, the ceiling; with epsilon > 0 the noisy demonstrator the warm start copied
+        "expert": {"success": ws.get("demo_success"), "episodes": ws.get("demos"),
+                   "epsilon": run.cfg.warmstart.expert_epsilon},
         "eval_episodes": (before.get("sampled") or {}).get("episodes", 0),
         "eval_paired": bool(before.get("sampled") and after.get("sampled")
                             and before["sampled"]["seeds"] == after["sampled"]["seeds"]),
@@ -136,6 +138,12 @@ def step_row(run_dir: str, step: int) -> dict:
     return {k: r(v) for k, v in row.items()}
 
 
+def _demonstrator(expert: dict) -> str:
+    """The summary's label for the demonstration episodes' success: the expert, or the noisy demonstrator."""
+    eps = expert.get("epsilon") or 0.0
+    return "expert" if eps == 0 else f"demonstrator (expert, {100 * eps:.0f}% of actions random)"
+
+
 def summary_markdown(run_dir: str, summary: dict) -> str:
     """The run's summary as markdown: held-out success before/after with the paired interval, the
     supervised-only control, minutes per phase, one line per RL step, and where MLflow has the run."""
@@ -158,7 +166,7 @@ def summary_markdown(run_dir: str, summary: dict) -> str:
            f"| {pct(b['success'])} | {pct(a['success'])} |",
            f"| greedy | {pct(s['eval_before_greedy']['success'])} | {pct(s['eval_after_greedy']['success'])} |",
            f"| uniform-random policy | {pct(s['eval_random']['success'])} | |",
-           f"| expert, same turn limit | {pct(s['expert']['success'])} | |", ""]
+           f"| {_demonstrator(s['expert'])}, same turn limit | {pct(s['expert']['success'])} | |", ""]
     if "ci95_low" in s:
         out += [f"**After − before:** {ci(s)}", ""]
     if "control" in s:
@@ -237,7 +245,8 @@ def render_summary(s: dict) -> None:
             t.add_row("RL minus control, 95% CI", "",
                       f"{100 * r['diff']:+.1f} [{100 * r['ci95_low']:+.1f}, {100 * r['ci95_high']:+.1f}]")
     t.add_row("uniform-random policy", pct(s["eval_random"]["success"]), "")
-    t.add_row(f"expert, same turn limit ({s['expert']['episodes']} demo seeds)", pct(s["expert"]["success"]), "")
+    t.add_row(f"{_demonstrator(s['expert'])}, same turn limit ({s['expert']['episodes']} demo seeds)",
+              pct(s["expert"]["success"]), "")
     t.add_row("held-out episodes (paired)", str(s["eval_episodes"]), "yes" if s["eval_paired"] else "no")
     t.add_row("RL steps / executions run", "", f"{s['rl_steps']} / {s['executions']}")
     t.add_row("tokens generated / trained", "", f"{s['tokens_generated']:,} / {s['tokens_trained']:,}")

@@ -245,7 +245,7 @@ def test_control_spends_the_rl_wall_time_on_the_same_tasks_and_seeds(clean_run):
     assert summary["control"]["episodes"] == n and summary["control"]["sft_steps"] == ctrl["sft_steps"]
     # the ceiling beside it: the expert's success on its demonstration seeds, from the lake
     demo = _q(con, "SELECT avg(success::INT), count(*) FROM executions WHERE split = 'demo'")[0]
-    assert summary["expert"] == {"success": pytest.approx(demo[0]), "episodes": demo[1]}
+    assert summary["expert"] == {"success": pytest.approx(demo[0]), "episodes": demo[1], "epsilon": 0.0}
 
 
 def test_control_with_rl_tasks_adds_expert_runs_of_exactly_the_rl_seeds(tmp_path, clean_run):
