@@ -36,6 +36,20 @@ def _env_defaults() -> None:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
+def _sigterm_as_interrupt() -> None:
+    """SIGTERM (a scheduler's or `kill`'s stop) unwinds like Ctrl-C: the run says how to resume, and exit
+    handlers run — among them Prefect's, which stops the temporary server it started for this process.
+    Prefect's engine marks the flow run Crashed on SIGTERM and passes the signal on to the handler that was
+    there before; with the default one there, the process did not exit (Prefect 3.9: still running 5
+    minutes later) and its server outlived any kill of it (tests/flows/test_cli_signal.py)."""
+    import signal
+
+    def interrupt(signum, frame):
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, interrupt)
+
+
 def cmd_train(args) -> int:
     from .config import ConfigError, load_config
 
@@ -104,6 +118,9 @@ def cmd_evaluate(args) -> int:
     except CheckpointError as exc:
         print(f"gyre evaluate: error: {exc}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:
+        print("gyre evaluate: interrupted", file=sys.stderr)
+        return 130
     print(json.dumps(result) if args.json else format_result(result))
     return 0
 
@@ -400,6 +417,8 @@ def main(argv: list[str] | None = None) -> int:
     ps = sub.add_parser("presets", help="list config presets")
     ps.set_defaults(fn=lambda a: print("\n".join(__import__("gyre_core.config", fromlist=["presets"]).presets())) or 0)
     args = p.parse_args(argv)
+    if args.cmd in ("train", "evaluate"):
+        _sigterm_as_interrupt()
     return args.fn(args)
 
 

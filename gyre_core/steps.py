@@ -655,9 +655,10 @@ def _train_step(run: RunDir, step: int, batch, t0: float) -> str:
                 tick()
             if chunks:
                 grad_norm = trainer.optimizer_step()
-    # the update's size: KL and clip fraction of the new policy against the behaviour one, on a sample
+    # the update's size: KL and clip fraction of the new policy against the behaviour one, on every 4th
+    # micro-step (a forward over all of them was 22–24% of a `default` train step)
     shift = {"kl": 0.0, "clipped": 0.0, "tokens": 0.0}
-    for chunk in (chunks if cfg.processor.mode == "tree" else chunks[::4]):   # packed: few, large chunks
+    for chunk in chunks[::4]:
         for key, v in trainer.policy_shift(chunk, temperature=cfg.rollout.temperature, clip_low=rl.clip_low,
                                            clip_high=rl.clip_high).items():
             shift[key] += v
