@@ -56,10 +56,15 @@ def paired_difference(before: list[float], after: list[float]) -> PairedDiff:
     return PairedDiff(n, mean, se, mean - Z95 * se, mean + Z95 * se)
 
 
-def paired(before: EvalResult, after: EvalResult) -> PairedDiff:
+def paired(before: EvalResult, after: EvalResult, metric: str = "success") -> PairedDiff:
+    """after − before per seed, of success (0/1) or of the partial-progress score (`metric="partial"`: the
+    finer measure where successes are rare, as on `long`)."""
     if before.seeds != after.seeds:
         raise ValueError("before and after were evaluated on different seeds; a paired difference needs the same")
-    return paired_difference([float(x) for x in before.successes], [float(x) for x in after.successes])
+    if metric not in ("success", "partial"):
+        raise ValueError(f"paired: metric is 'success' or 'partial', not {metric!r}")
+    key = "successes" if metric == "success" else "partials"
+    return paired_difference([float(x) for x in getattr(before, key)], [float(x) for x in getattr(after, key)])
 
 
 @dataclass(slots=True)

@@ -47,6 +47,8 @@ def summarize(run_dir: str, started_at: float | None = None) -> dict:
 
     if summary["eval_paired"]:
         summary.update(interval(b, a))
+        d = paired(b, a, "partial")
+        summary["partial_diff"] = {"diff": d.mean, "ci95_low": d.ci95_low, "ci95_high": d.ci95_high}
     if c is not None:   # the supervised-only control, on the same seeds
         summary["control"] = {**ev(ctrl_eval, "sampled"), "budget_s": ctrl.get("budget_s"),
                               "wall_s": ctrl.get("wall_s"), "sft_steps": ctrl.get("sft_steps"),
@@ -169,6 +171,10 @@ def summary_markdown(run_dir: str, summary: dict) -> str:
            f"| {_demonstrator(s['expert'])}, same turn limit | {pct(s['expert']['success'])} | |", ""]
     if "ci95_low" in s:
         out += [f"**After − before:** {ci(s)}", ""]
+    if "partial_diff" in s:
+        d = s["partial_diff"]
+        out += [f"**Partial score, after − before:** {d['diff']:+.3f} [95% CI {d['ci95_low']:+.3f}, "
+                f"{d['ci95_high']:+.3f}]", ""]
     if "control" in s:
         c = s["control"]
         out += [f"**Supervised-only control** ({c['sft_steps']} steps in {dur(c['wall_s'] or 0)}, "
@@ -236,6 +242,10 @@ def render_summary(s: dict) -> None:
     t.add_row("mean partial score (sampled)", f"{s['eval_before']['partial'] or 0:.3f}", f"{s['eval_after']['partial'] or 0:.3f}")
     if "ci95_low" in s:
         t.add_row("paired difference, 95% CI", "", f"{100 * s['diff']:+.1f} [{100 * s['ci95_low']:+.1f}, {100 * s['ci95_high']:+.1f}]")
+    if "partial_diff" in s:
+        d = s["partial_diff"]
+        t.add_row("partial score: paired difference, 95% CI", "",
+                  f"{d['diff']:+.3f} [{d['ci95_low']:+.3f}, {d['ci95_high']:+.3f}]")
     if "control" in s:
         c = s["control"]
         t.add_row(f"supervised-only control ({c['sft_steps']} steps, {c['wall_s']:.0f} s)", "",

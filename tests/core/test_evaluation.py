@@ -16,6 +16,18 @@ def test_paired_difference_by_hand():
     assert d.ci95_high == pytest.approx(0.4 + 1.959963984540054 * math.sqrt(0.06))
 
 
+def test_paired_partial_score_by_hand():
+    before = summarize("before", "sampled", [4, 5, 6], [False, True, False], [0.2, 1.0, 0.1], [9, 3, 9])
+    after = summarize("after", "sampled", [4, 5, 6], [False, True, False], [0.4, 1.0, 0.4], [9, 2, 9])
+    # d = [0.2, 0, 0.3]: mean 1/6, sample variance ((1/30)² + (1/6)² + (2/15)²)/2 = 7/300
+    d = paired(before, after, "partial")
+    assert d.mean == pytest.approx(1 / 6)
+    assert d.ci95_high == pytest.approx(1 / 6 + 1.959963984540054 * math.sqrt(7 / 300 / 3))
+    assert paired(before, after).mean == 0.0                 # the same successes: no success difference
+    with pytest.raises(ValueError, match="metric"):
+        paired(before, after, "turns")
+
+
 def test_paired_refuses_different_seeds():
     a = summarize("before", "sampled", [1, 2], [True, False], [1.0, 0.2], [3, 9])
     b = summarize("after", "sampled", [1, 3], [True, True], [1.0, 1.0], [3, 4])

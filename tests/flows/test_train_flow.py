@@ -242,6 +242,11 @@ def test_control_spends_the_rl_wall_time_on_the_same_tasks_and_seeds(clean_run):
     se = (sum((x - mean) ** 2 for x in d) / (n - 1) / n) ** 0.5
     assert summary["rl_vs_control"]["diff"] == pytest.approx(mean)
     assert summary["rl_vs_control"]["ci95_low"] == pytest.approx(mean - 1.959964 * se, abs=1e-6)
+    d = [a - b for a, b in zip(after["partials"], before["partials"])]      # the partial score's, RL − before
+    mean = sum(d) / n
+    se = (sum((x - mean) ** 2 for x in d) / (n - 1) / n) ** 0.5
+    assert summary["partial_diff"]["diff"] == pytest.approx(mean)
+    assert summary["partial_diff"]["ci95_high"] == pytest.approx(mean + 1.959964 * se, abs=1e-6)
     assert summary["control"]["episodes"] == n and summary["control"]["sft_steps"] == ctrl["sft_steps"]
     # the ceiling beside it: the expert's success on its demonstration seeds, from the lake
     demo = _q(con, "SELECT avg(success::INT), count(*) FROM executions WHERE split = 'demo'")[0]

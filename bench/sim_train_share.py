@@ -1,0 +1,40 @@
+"""Elastic vs async vs colocated in the simulator as training's share of the work grows.
+
+    python bench/sim_train_share.py            # one row per training cost; a few seconds
+
+The fleet and workload are the elastic bench's emulated K = 8 ones (`bench.elastic.WORKLOAD`: 64
+executions a step, calls lognormal median 10 σ 0.9 capped at 40) at round device costs (a call 0.03 s, an
+environment turn 0.06 s), 16 steps, `max_staleness` 1; only the training cost per trained call changes.
+Each row prints the three step times, async's best split, elastic's speedups, and the share of device
+work that is training (Σ train_s over Σ train_s + Σ call_s).
+"""
+from __future__ import annotations
+
+import dataclasses
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.elastic import CAPACITY_EMULATED, K_EMULATED, MICRO_EMULATED, WORKLOAD  # noqa: E402
+from gyre_core.elastic.sim import compare  # noqa: E402
+
+TRAIN_S_PER_CALL = (0.002, 0.004, 0.01, 0.02, 0.05, 0.1)
+
+
+def main() -> None:
+    base = dataclasses.replace(WORKLOAD, call_s=0.03, env_s=0.06, optimizer_s=0.05, steps=16)
+    print("| train s / call | training share | colocated | async (split) | elastic | vs colocated | vs async |")
+    print("|---:|---:|---:|---:|---:|---:|---:|")
+    for t in TRAIN_S_PER_CALL:
+        w = dataclasses.replace(base, train_s_per_call=t)
+        calls = sum(sum(w.calls(s)) for s in range(w.steps))
+        share = calls * t / (calls * t + calls * w.call_s)
+        d = compare(w, K_EMULATED, CAPACITY_EMULATED, 1, "best", MICRO_EMULATED)
+        s = {p: d["policies"][p]["step_s"] for p in ("colocated", "async", "elastic")}
+        print(f"| {t} | {share:.0%} | {s['colocated']:.2f} s | {s['async']:.2f} s ({d['async_split']}) | "
+              f"{s['elastic']:.2f} s | {d['speedup_vs_colocated']:.2f}× | {d['speedup_vs_async']:.2f}× |")
+
+
+if __name__ == "__main__":
+    main()
