@@ -41,14 +41,13 @@ def summarize(run_dir: str, started_at: float | None = None) -> dict:
     }
     b, a, c = (EvalResult(**x["sampled"]) if x.get("sampled") else None for x in (before, after, ctrl_eval))
 
-    def interval(first: EvalResult, second: EvalResult) -> dict:   # second − first, per seed
-        d = paired(first, second)
+    def interval(first: EvalResult, second: EvalResult, metric: str = "success") -> dict:   # second − first
+        d = paired(first, second, metric)
         return {"diff": d.mean, "ci95_low": d.ci95_low, "ci95_high": d.ci95_high}
 
     if summary["eval_paired"]:
         summary.update(interval(b, a))
-        d = paired(b, a, "partial")
-        summary["partial_diff"] = {"diff": d.mean, "ci95_low": d.ci95_low, "ci95_high": d.ci95_high}
+        summary["partial_diff"] = interval(b, a, "partial")
     if c is not None:   # the supervised-only control, on the same seeds
         summary["control"] = {**ev(ctrl_eval, "sampled"), "budget_s": ctrl.get("budget_s"),
                               "wall_s": ctrl.get("wall_s"), "sft_steps": ctrl.get("sft_steps"),
