@@ -6,7 +6,7 @@ The fleet and workload are the elastic bench's emulated K = 8 ones (`bench.elast
 executions a step, calls lognormal median 10 σ 0.9 capped at 40) at round device costs (a call 0.03 s, an
 environment turn 0.06 s), 16 steps, `max_staleness` 1; only the training cost per trained call changes.
 Each row prints the three step times, async's best split, elastic's speedups, and the share of device
-work that is training (Σ train_s over Σ train_s + Σ call_s).
+work that is training (train_s over train_s + call_s, per call).
 """
 from __future__ import annotations
 
@@ -28,8 +28,7 @@ def main() -> None:
     print("|---:|---:|---:|---:|---:|---:|---:|")
     for t in TRAIN_S_PER_CALL:
         w = dataclasses.replace(base, train_s_per_call=t)
-        calls = sum(sum(w.calls(s)) for s in range(w.steps))
-        share = calls * t / (calls * t + calls * w.call_s)
+        share = t / (t + w.call_s)          # per trained call: training's device seconds over all of them
         d = compare(w, K_EMULATED, CAPACITY_EMULATED, 1, "best", MICRO_EMULATED)
         s = {p: d["policies"][p]["step_s"] for p in ("colocated", "async", "elastic")}
         print(f"| {t} | {share:.0%} | {s['colocated']:.2f} s | {s['async']:.2f} s ({d['async_split']}) | "
