@@ -6,8 +6,13 @@ cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
 .venv/bin/python -m pip install -q --upgrade pip
-# torch==2.13.0 resolves to the CPU wheel; any range would pull a multi-GB CUDA build.
-.venv/bin/python -m pip install -q "torch==2.13.0"
+# The CPU build of torch (a plain `pip install torch` on Linux pulls a multi-GB CUDA build), from PyTorch's
+# CPU index or a local wheel mirror. A torch 2.13.0 already in .venv/ (e.g. a CUDA build a GPU host put
+# there first) is kept.
+if ! .venv/bin/python -c "import sys, torch; sys.exit(torch.__version__.split('+')[0] != '2.13.0')" 2>/dev/null; then
+  .venv/bin/python -m pip install -q --timeout 30 "torch==2.13.0+cpu" \
+    --extra-index-url https://download.pytorch.org/whl/cpu
+fi
 # DeepSpeed builds its ops just in time; its setup needs the torch above (hence no build isolation).
 .venv/bin/python -m pip show deepspeed >/dev/null 2>&1 || \
   DS_BUILD_OPS=0 .venv/bin/python -m pip install -q --no-build-isolation "deepspeed==0.19.8"
