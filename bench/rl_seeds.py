@@ -120,13 +120,13 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--metric", choices=("success", "partial"), default="success")
     p.add_argument("--json", action="store_true", help="print the figures as JSON instead of a table")
     args = p.parse_args(argv)
+    if len({d.resolve() for d in args.run_dirs}) < len(args.run_dirs):
+        raise SystemExit("the same run directory was given twice; pooling needs independent runs")
     out = compare_runs([load_run(d, args.metric) for d in args.run_dirs])
     out["config_differences"] = config_differences(args.run_dirs)
     if args.json:
         print(json.dumps(out, indent=1))
         return out
-    if len({d.resolve() for d in args.run_dirs}) < len(args.run_dirs):
-        raise SystemExit("the same run directory was given twice; pooling needs independent runs")
     scale, digits = (100.0, 1) if args.metric == "success" else (1.0, 3)
     what = "success (%; differences in points)" if args.metric == "success" else "partial score"
     print(f"{what} on {out['seeds']} held-out seeds, paired 95% intervals\n")
