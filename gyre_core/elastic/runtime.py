@@ -7,10 +7,11 @@ One process holds the router, the controller, the stream of finished executions 
 harness threads; the cells are separate long-lived agent processes (`gyre_core.elastic.cells`) that
 connect back to it. Every event (a call answered, an execution finished, a micro-step or an update
 done, a role switch done, a cell lost) re-runs the same four rules:
-1. dispatch the next burst once its staleness bound allows (`max_staleness`; colocated: 0);
+1. dispatch every burst its staleness bound allows (`max_staleness`; colocated: 0);
 2. ask the role policy how many cells train (a prefix: core first) and switch cells toward it —
    rollout → train closes the cell in the router (its calls are rerouted with their tokens so far),
-   train → rollout waits for the micro-step boundary;
+   train → rollout waits for the micro-step boundary; only then do a new burst's executions start, so
+   none binds to a cell that is leaving rollout (as in the simulator);
 3. hand streamed micro-steps of the current version's burst to idle training cells;
 4. when a burst's micro-steps are all done, the core applies the update and publishes the next version.
 Satellites' gradients reach the core through the cells' own process groups (`elastic.grad_channel`
@@ -425,21 +426,26 @@ class Coordinator:
             raise RuntimeError(f"gyre elastic: {self._landing_error}")
 
     def _rules(self) -> None:
-        self._dispatch()
-        self._roles()
+        jobs = self._dispatch()
+        self._roles()        # before the new executions make their first calls: none binds to a leaving cell
+        self._start(jobs)
         self._feed()
         self._update()
 
-    def _dispatch(self) -> None:
-        s = self.next_burst
-        if s >= self.work.steps or self.version < s - self.staleness:
-            return
-        self.next_burst += 1
-        n = self.work.burst_size(s)
-        self.stream.open_burst(s, n)
-        self.dispatched += n
-        self.load.append((self.now(), self.dispatched - self.finished))
-        for job in self.work.start_burst(s, self.router, self._report):
+    def _dispatch(self) -> list:
+        """Count in every burst the staleness bound allows; returns their executions, not yet started."""
+        jobs: list = []
+        while (s := self.next_burst) < self.work.steps and self.version >= s - self.staleness:
+            self.next_burst += 1
+            n = self.work.burst_size(s)
+            self.stream.open_burst(s, n)
+            self.dispatched += n
+            self.load.append((self.now(), self.dispatched - self.finished))
+            jobs += self.work.start_burst(s, self.router, self._report)
+        return jobs
+
+    def _start(self, jobs: list) -> None:
+        for job in jobs:
             th = threading.Thread(target=self._guarded, args=(job,), daemon=True)
             th.start()
             self.threads.append(th)

@@ -114,6 +114,18 @@ def test_waterlevel_decisions_follow_the_rule():
         assert d.rollout_capacity == (cfg.cells - d.train_after) * cfg.capacity
 
 
+def test_async_takes_its_training_cell_out_before_any_execution_binds():
+    # the roles are decided before a dispatched burst's executions start: none lands on the cell that
+    # leaves for training, so async's one switch moves no execution (before, the first calls bound to the
+    # core and were cancelled and rerouted, and a long execution among them waited for a free slot)
+    cfg = ElasticConfig(policy="async", cells=3, async_train_cells=1, mode="emulated", capacity=6)
+    res = run_elastic(cfg, FAST)
+    _check_tito(res, FAST)
+    assert (res.switches, res.reroutes) == (1, 0)
+    # max_staleness 1: bursts 0 and 1 are dispatched together, before anything finished
+    assert [w for _, w in res.load[:2]] == [FAST.executions_per_step, 2 * FAST.executions_per_step]
+
+
 def test_a_lost_cell_is_detected_and_the_run_continues():
     slow = Workload(**{**FAST.to_dict(), "steps": 2, "call_s": 0.05})
     cfg = ElasticConfig(policy="async", cells=3, async_train_cells=1, mode="emulated", capacity=6)
