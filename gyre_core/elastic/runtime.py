@@ -660,7 +660,8 @@ class Coordinator:
         return ElasticResult(
             policy=self.policy.name, mode=self.work.mode, k=k, steps=n, wall_s=wall, step_s=wall / max(n, 1),
             busy=busy_fractions(self.role_spans, self.busy_spans, k, wall),
-            switch_s_rollout_to_train=_mean(self.switch_s[TRAIN]), switch_s_train_to_rollout=_mean(self.switch_s[ROLLOUT]),
+            switch_s_rollout_to_train=_mean(self.switch_s[TRAIN]),
+            switch_s_train_to_rollout=_mean(self.switch_s[ROLLOUT]),
             switches=len(self.marks), reroutes=self.router.reroutes, dead_cells=list(self.dead),
             stale_dropped=self.stream.dropped_stale, decisions=self.decisions, role_spans=self.role_spans,
             busy_spans=self.busy_spans, switch_marks=self.marks, executions=getattr(self.work, "logs", []),
