@@ -1,7 +1,7 @@
 """`gyre bench elastic --json`: colocated vs async vs elastic on one documented workload, real and emulated.
 
-    gyre bench elastic --json            # ~12 minutes on a 2-core CPU
-    gyre bench elastic --quick --json    # fewer steps and async splits (~5 minutes)
+    gyre bench elastic --json            # ~3 minutes alone on a 2-core CPU (longer beside other jobs)
+    gyre bench elastic --quick --json    # fewer steps and async splits
 
 1. **Real K = 2** (`real`): the smoke model (warm-started on 80 demonstrations, 60 steps) on BabyAI GoToObj, 2 cell agents of one CPU thread each, the
    run's own harness and environment with `REAL_LATENCY_S` of environment latency per turn (a sandboxed
