@@ -24,20 +24,21 @@ import yaml
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from gyre_core.evaluation import paired_difference  # noqa: E402
+from gyre_core.run import RunDir  # noqa: E402
 
 
-def _outcomes(run_dir: Path, marker: str, metric: str) -> tuple[list[int], list[float]] | None:
-    path = run_dir / "markers" / f"{marker}.json"
-    if not path.exists():
+def _outcomes(run: RunDir, label: str, metric: str) -> tuple[list[int], list[float]] | None:
+    m = run.done(f"eval_{label}")
+    if m is None:
         return None
-    sampled = json.loads(path.read_text())["sampled"]
     key = "successes" if metric == "success" else "partials"
-    return sampled["seeds"], [float(x) for x in sampled[key]]
+    return m["sampled"]["seeds"], [float(x) for x in m["sampled"][key]]
 
 
 def load_run(run_dir: Path, metric: str) -> dict:
     """A finished run's per-seed outcomes before RL, after RL and of the control (None if it had none)."""
-    got = {name: _outcomes(run_dir, f"eval_{name}", metric) for name in ("before", "after", "control")}
+    run = RunDir.open(run_dir)
+    got = {name: _outcomes(run, name, metric) for name in ("before", "after", "control")}
     if got["before"] is None or got["after"] is None:
         raise SystemExit(f"{run_dir}: no before/after evaluation (is the run finished?)")
     seeds = got["before"][0]
@@ -66,8 +67,7 @@ def config_differences(run_dirs: list[Path]) -> list[str]:
 
 
 def _interval(first: list[float], second: list[float]) -> dict:
-    d = paired_difference(first, second)
-    return {"diff": d.mean, "ci95_low": d.ci95_low, "ci95_high": d.ci95_high}
+    return paired_difference(first, second).as_summary()
 
 
 def compare_runs(runs: list[dict]) -> dict:

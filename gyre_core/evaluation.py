@@ -43,6 +43,10 @@ class PairedDiff:
     ci95_low: float
     ci95_high: float
 
+    def as_summary(self) -> dict:
+        """The run summary's form: {"diff", "ci95_low", "ci95_high"}."""
+        return {"diff": self.mean, "ci95_low": self.ci95_low, "ci95_high": self.ci95_high}
+
 
 def paired_difference(before: list[float], after: list[float]) -> PairedDiff:
     """Mean of after−before per seed with its 95% interval (sample std, n−1)."""

@@ -42,8 +42,7 @@ def summarize(run_dir: str, started_at: float | None = None) -> dict:
     b, a, c = (EvalResult(**x["sampled"]) if x.get("sampled") else None for x in (before, after, ctrl_eval))
 
     def interval(first: EvalResult, second: EvalResult, metric: str = "success") -> dict:   # second − first
-        d = paired(first, second, metric)
-        return {"diff": d.mean, "ci95_low": d.ci95_low, "ci95_high": d.ci95_high}
+        return paired(first, second, metric).as_summary()
 
     if summary["eval_paired"]:
         summary.update(interval(b, a))

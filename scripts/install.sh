@@ -9,8 +9,9 @@ PY=${PYTHON:-python3}
 # The CPU build of torch (a plain `pip install torch` on Linux pulls a multi-GB CUDA build), from PyTorch's
 # CPU index or a local wheel mirror. A torch 2.13.0 already in .venv/ (e.g. a CUDA build a GPU host put
 # there first) is kept.
-if ! .venv/bin/python -c "import sys, torch; sys.exit(torch.__version__.split('+')[0] != '2.13.0')" 2>/dev/null; then
-  .venv/bin/python -m pip install -q --timeout 30 --retries 1 "torch==2.13.0+cpu" \
+TORCH=2.13.0     # the version pyproject.toml pins
+if ! .venv/bin/python -c "import sys, torch; sys.exit(torch.__version__.split('+')[0] != '$TORCH')" 2>/dev/null; then
+  .venv/bin/python -m pip install -q --timeout 30 --retries 1 "torch==$TORCH+cpu" \
     --extra-index-url https://download.pytorch.org/whl/cpu
 fi
 # DeepSpeed builds its ops just in time; its setup needs the torch above (hence no build isolation).
