@@ -6,7 +6,9 @@
 
 A checkpoint is one of
   * a Gyre run directory (`data/runs/<run_id>`, or just the run id under `run.out_root`): its newest
-    published policy version (the weights of `weights/v<N>.safetensors` on the run's initial model);
+    published policy version (the weights of `weights/v<N>.safetensors` on the run's initial model), or
+    the version N it names as `<run dir>@v<N>` (`data/runs/default@v20`: the policy after 20 RL steps;
+    `@v0` is the warm start) — a run's learning curve on the held-out seeds, version by version;
   * an HF model directory, as `gyre_core.model.save_policy` writes it;
   * an MLflow artifact URI, `runs:/<mlflow run id>/<path>` or `models:/<name>/<version>`, downloaded from
     `tracking.uri` to a temporary directory that holds (or has one folder that holds) such an HF directory.
@@ -36,6 +38,7 @@ from .run import CheckpointError, RunDir
 MLFLOW_SCHEMES = ("runs:/", "models:/", "mlflow-artifacts:/")
 EXTERNAL_VERSION = -1      # policy_version of a checkpoint that is not a version of a run in this lake
 _LABEL = re.compile(r"^[A-Za-z0-9_.+-]+$")
+_AT_VERSION = re.compile(r"^(.+)@v(\d+)$")       # <run dir>@v<N>: one published version of a run
 
 
 @dataclass(slots=True)
@@ -58,23 +61,30 @@ def is_mlflow_uri(checkpoint: str) -> bool:
 
 def resolve_local(checkpoint: str, cfg: GyreConfig) -> Checkpoint:
     """A run directory (or run id under `run.out_root`) or an HF model directory, by what it holds."""
-    path = Path(checkpoint).expanduser()
-    if not path.exists() and not any(c in checkpoint for c in "/\\") and (Path(cfg.run.out_root) / checkpoint).is_dir():
-        path = Path(cfg.run.out_root) / checkpoint          # a bare run id
+    name, version = checkpoint, None
+    if (m := _AT_VERSION.match(checkpoint)) and not Path(checkpoint).expanduser().exists():
+        name, version = m.group(1), int(m.group(2))
+    path = Path(name).expanduser()
+    if not path.exists() and not any(c in name for c in "/\\") and (Path(cfg.run.out_root) / name).is_dir():
+        path = Path(cfg.run.out_root) / name                # a bare run id
     if not path.exists():
         raise CheckpointError(f"checkpoint {checkpoint!r}: no such file or directory (give a run directory, "
                               f"an HF model directory, or an MLflow URI such as runs:/<id>/policy)")
     if not path.is_dir():
         raise CheckpointError(f"checkpoint {checkpoint!r}: not a directory")
     if (path / "config.yaml").is_file() and (path / "markers").is_dir():
-        return _run_checkpoint(checkpoint, path)
+        return _run_checkpoint(checkpoint, path, version)
+    if version is not None:
+        raise CheckpointError(f"checkpoint {checkpoint!r}: @v{version} names a version of a Gyre run directory, "
+                              f"and {name!r} is not one")
     if (path / "config.json").is_file():
         return Checkpoint(checkpoint, "hf", path, EXTERNAL_VERSION)
     raise CheckpointError(f"checkpoint {checkpoint!r}: neither a Gyre run directory (config.yaml, markers/) "
                           f"nor an HF model directory (config.json)")
 
 
-def _run_checkpoint(checkpoint: str, path: Path) -> Checkpoint:
+def _run_checkpoint(checkpoint: str, path: Path, version: int | None = None) -> Checkpoint:
+    """The run at `path`: its newest published version, or `version` (which must be published)."""
     from .steps import latest_version
 
     try:
@@ -85,7 +95,11 @@ def _run_checkpoint(checkpoint: str, path: Path) -> Checkpoint:
     if run.done("warm_start") is None:
         raise CheckpointError(f"checkpoint {checkpoint!r}: run '{run.run_id}' has no published policy yet "
                               f"(its warm start has not finished)")
-    return Checkpoint(checkpoint, "run", path, latest_version(run))
+    newest = latest_version(run)
+    if version is not None and version > newest:
+        raise CheckpointError(f"checkpoint {checkpoint!r}: run '{run.run_id}' has published versions 0 – {newest}, "
+                              f"not {version}")
+    return Checkpoint(checkpoint, "run", path, newest if version is None else version)
 
 
 def download(checkpoint: str, cfg: GyreConfig, into: str) -> Checkpoint:
@@ -190,7 +204,7 @@ def _evaluate(cfg: GyreConfig, ck: Checkpoint, model, tok, weights, label: str) 
 
     stops = stop_token_ids(model, tok)
     engine = LocalEngine(model, stops, version=EXTERNAL_VERSION, seed=cfg.run.seed)
-    if weights is not None:          # a run: its initial model with the newest weights, as steps._engine_at does
+    if weights is not None:          # a run: its initial model with the version's weights, as steps._engine_at does
         engine.set_weights(weights, ck.version)
     fmt, stop_texts = ChatFormat(tok), {i: tok.decode([i]) for i in stops}
     run_id, part = f"eval-{label}", f"eval={label}"

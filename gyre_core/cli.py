@@ -366,7 +366,8 @@ def main(argv: list[str] | None = None) -> int:
     lk.add_argument("--json", action="store_true", help="one line of JSON")
     lk.set_defaults(fn=cmd_lake)
     ev = sub.add_parser("evaluate", help="a checkpoint on the preset's held-out seeds, under Prefect")
-    ev.add_argument("checkpoint", help="run directory (or run id), HF model directory, or MLflow URI (runs:/ID/policy)")
+    ev.add_argument("checkpoint", help="run directory (or run id; RUN@vN for its version N), HF model directory, "
+                                       "or MLflow URI (runs:/ID/policy)")
     ev.add_argument("--preset", default="default")
     ev.add_argument("--set", action="append", metavar="KEY=VALUE", help="dotted override, e.g. eval.greedy_episodes=0")
     ev.add_argument("--episodes", type=int, default=None, help="held-out episodes (eval.episodes)")

@@ -112,6 +112,32 @@ def test_a_checkpoint_given_three_ways_scores_as_the_runs_own_evaluation(trained
     assert found["run"].data.tags["gyre.policy_version"] == "1"
 
 
+def test_a_run_version_named_with_at_v_scores_as_that_versions_own_evaluation(trained, tmp_path):
+    """`<run dir>@v<N>`: version N of the run, not its newest — v0 reproduces the run's `eval_before`
+    episode by episode, v1 its `eval_after`; a version not published, or @v on an HF dir, is refused."""
+    tmp, ov = trained
+    cfg = load_config("smoke", ov)
+    run = RunDir.open(tmp / "runs" / "evalsrc")
+    b, a = run.done("eval_before")["sampled"], run.done("eval_after")["sampled"]
+    assert (b["successes"], b["partials"]) != (a["successes"], a["partials"])   # the two versions tell apart
+    for version, marker in ((0, "eval_before"), (1, "eval_after")):
+        want = run.done(marker)
+        got = evaluate_checkpoint(cfg, f"{run.path}@v{version}", f"at-v{version}")
+        assert got["policy_version"] == version and got["kind"] == "run"
+        for mode in ("sampled", "greedy"):
+            assert got[mode]["seeds"] == want[mode]["seeds"]
+            assert got[mode]["successes"] == want[mode]["successes"], (version, mode)
+            assert got[mode]["partials"] == want[mode]["partials"], (version, mode)
+    by_id = evaluate_checkpoint(cfg, "evalsrc@v0", "at-v0-id")          # a bare run id under run.out_root
+    assert by_id["policy_version"] == 0 and by_id["resolved"] == str(run.path)
+    with pytest.raises(CheckpointError, match="run 'evalsrc' has published versions 0 – 1, not 2"):
+        evaluate_checkpoint(cfg, f"{run.path}@v2", "x")
+    model, tok = load_policy(run.policy0)
+    save_policy(model, tok, tmp_path / "hf")
+    with pytest.raises(CheckpointError, match="@v0 names a version of a Gyre run directory"):
+        evaluate_checkpoint(cfg, f"{tmp_path / 'hf'}@v0", "x")
+
+
 def test_a_checkpoint_that_is_not_one_fails_naming_it(trained, tmp_path, capsys):
     tmp, ov = trained
     missing = str(tmp_path / "no-such-run")
