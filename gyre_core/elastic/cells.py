@@ -426,6 +426,7 @@ def main(argv: list[str] | None = None) -> int:
     if not key:
         print(f"gyre cell: ${args.authkey_env} is empty; the coordinator sets it", file=sys.stderr)
         return 2
+    groups = None
     if args.mode == "real":
         import json
 
@@ -435,7 +436,6 @@ def main(argv: list[str] | None = None) -> int:
         if not (args.policy and args.weights):
             print("gyre cell: --mode real needs --policy and --weights", file=sys.stderr)
             return 2
-        groups = None
         if args.grad_store and args.world > 1:   # before the hello: the coordinator waits for every cell
             from .collective import PrefixGroups
 
@@ -446,8 +446,12 @@ def main(argv: list[str] | None = None) -> int:
     else:
         device = EmulatedDevice()
     conn = Client((host, int(port)), authkey=key)
-    Agent(args.cell, conn, device).serve()
-    conn.close()
+    try:
+        Agent(args.cell, conn, device).serve()
+    finally:
+        conn.close()
+        if groups is not None:
+            groups.close()
     return 0
 
 

@@ -47,6 +47,13 @@ class PrefixGroups:
         self.groups = {t: dist.ProcessGroupGloo(dist.PrefixStore(f"gyre/prefix{t}", self._store), rank, t, timeout)
                        for t in range(max(rank + 1, 2), world + 1)}
 
+    def close(self) -> None:
+        """Release the groups and the store connection while the interpreter still runs, not in exit-time
+        teardown (where cell agents were seen, now and then, to print "terminate called without an active
+        exception" after their work was done)."""
+        self.groups.clear()
+        self._store = None
+
     def reduce_to_core(self, trainer, t: int) -> None:
         """Sum the gradients of ranks [0, t) into rank 0's trainer; every rank of the prefix calls it.
 
