@@ -181,13 +181,17 @@ def evaluate_checkpoint(cfg: GyreConfig, checkpoint: str, label: str = "checkpoi
 
 
 def _mismatch(cfg: GyreConfig, ck: Checkpoint) -> list[str]:
-    """A run trained on another environment or harness than the preset evaluates it on: say so."""
+    """A run trained on another environment or harness than the preset evaluates it on: say so. Where the
+    run drew its training tasks (`env.train_seed_start`) is not the environment and is not compared."""
     if ck.kind != "run":
         return []
     trained = RunDir.open(ck.path).cfg
-    return [f"run '{trained.run_id()}' was trained with {name} {getattr(trained, name).model_dump(mode='json')}; "
-            f"evaluated with {getattr(cfg, name).model_dump(mode='json')}"
-            for name in ("env", "harness") if getattr(trained, name) != getattr(cfg, name)]
+
+    def setting(c: GyreConfig, name: str) -> dict:
+        return getattr(c, name).model_dump(mode="json", exclude={"train_seed_start"} if name == "env" else None)
+
+    return [f"run '{trained.run_id()}' was trained with {name} {setting(trained, name)}; evaluated with "
+            f"{setting(cfg, name)}" for name in ("env", "harness") if setting(trained, name) != setting(cfg, name)]
 
 
 def _evaluate(cfg: GyreConfig, ck: Checkpoint, model, tok, weights, label: str) -> dict:

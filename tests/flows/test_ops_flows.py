@@ -128,8 +128,13 @@ def test_a_run_version_named_with_at_v_scores_as_that_versions_own_evaluation(tr
             assert got[mode]["seeds"] == want[mode]["seeds"]
             assert got[mode]["successes"] == want[mode]["successes"], (version, mode)
             assert got[mode]["partials"] == want[mode]["partials"], (version, mode)
-    by_id = evaluate_checkpoint(cfg, "evalsrc@v0", "at-v0-id")          # a bare run id under run.out_root
+        assert got["warnings"] == []
+    # another seed range for training tasks is not another environment; another turn limit is another harness
+    other = load_config("smoke", ov + ["env.train_seed_start=12345", "harness.max_turns=7"])
+    by_id = evaluate_checkpoint(other, "evalsrc@v0", "at-v0-id")        # a bare run id under run.out_root
     assert by_id["policy_version"] == 0 and by_id["resolved"] == str(run.path)
+    assert len(by_id["warnings"]) == 1 and by_id["warnings"][0].startswith("run 'evalsrc' was trained with harness")
+    assert "'max_turns': 7" in by_id["warnings"][0]
     with pytest.raises(CheckpointError, match="run 'evalsrc' has published versions 0 – 1, not 2"):
         evaluate_checkpoint(cfg, f"{run.path}@v2", "x")
     model, tok = load_policy(run.policy0)
