@@ -119,10 +119,12 @@ def run_variant(base: RunDir, name: str, preset: str, overrides: list[str], extr
         steps.train(d, step)
         steps.publish(d, step)
         ro, tr = run.done(f"rollout_{step:04d}"), run.done(f"train_{step:04d}")
+        backtracks = tr.get("kl_backtracks", 0)
         curve.append({"step": step, "success": ro["success"], "partial": ro["partial"], "kl": tr["kl"],
-                      "entropy": tr["entropy"]})
+                      "entropy": tr["entropy"], "kl_backtracks": backtracks})
+        halved = f" (lr halved {backtracks}×)" if backtracks else ""
         print(f"  [{name}] step {step}: rollout success {ro['success']:.3f} partial {ro['partial']:.3f} "
-              f"kl {tr['kl']:.4f} entropy {tr['entropy']:.3f}", flush=True)
+              f"kl {tr['kl']:.4f}{halved} entropy {tr['entropy']:.3f}", flush=True)
     rl_s = time.time() - t0
     return _row(base, name, extra, steps.evaluate(d, "after"), rl_s, rl_steps=run.cfg.rl.steps, curve=curve)
 

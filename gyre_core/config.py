@@ -163,6 +163,13 @@ class RLConfig(_Section):
     """Padded tokens per micro-step (rows × longest); gradients accumulate across micro-steps."""
     grad_clip: float = Field(1.0, gt=0)
     """Gradient-norm clip."""
+    max_kl: float | None = Field(None, gt=0)
+    """A trust region by backtracking: when an update leaves the policy further than this from the
+    behaviour policy (mean per-token KL(μ‖π) on the micro-batches `train/kl` measures), it is undone and
+    redone at half the learning rate, up to `kl_backtracks` times (the last try is kept). None: off. The
+    step-by-step loop only (the elastic phase streams its update)."""
+    kl_backtracks: int = Field(4, ge=1)
+    """`max_kl`: most halvings of the learning rate in one step."""
     partial_reward: float = Field(0.1, ge=0, le=1)
     """Reward of a failed or timed-out execution = this × its partial-progress score (success = 1)."""
     negative_scale: float = Field(1.0, ge=0, le=1)
@@ -348,6 +355,13 @@ class GyreConfig(_Section):
         if self.rl.progress_credit and self.processor.mode == "tree" and not self.elastic.enabled:
             raise ValueError("rl.progress_credit: per-turn credit is given to flat sequences; set "
                              "processor.mode=flat (tree mode credits whole paths)")
+        return self
+
+    @model_validator(mode="after")
+    def _kl_guard_is_synchronous(self):
+        if self.rl.max_kl is not None and self.elastic.enabled:
+            raise ValueError("rl.max_kl: the elastic phase streams its update and cannot redo it; "
+                             "set rl.max_kl=null or elastic.enabled=false")
         return self
 
     @model_validator(mode="after")

@@ -628,9 +628,6 @@ def _train_step(run: RunDir, step: int, batch, t0: float) -> str:
     from .processor.batch import micro_batches
 
     cfg, rl = run.cfg, run.cfg.rl
-    trainer = _trainer(run, step)
-    totals: dict[str, float] = {}
-    first_epoch: dict[str, float] = {}
     seqs = batch.sequences
     if cfg.processor.mode == "tree":   # every unique token forwarded and back-propagated once
         from .trainer.packing import pack_branches, packing_stats
@@ -640,11 +637,47 @@ def _train_step(run: RunDir, step: int, batch, t0: float) -> str:
     else:
         chunks = micro_batches(seqs, rl.micro_batch_tokens)
         packing = {}
+    backtracks = 0
+    while True:
+        trainer = _trainer(run, step)
+        trainer.set_lr(rl.lr * 0.5 ** backtracks)
+        totals, first_epoch, grad_norm = _update(run, step, trainer, chunks, batch.normaliser)
+        shift = _policy_shift(run, trainer, chunks)
+        kl = shift["kl"] / max(shift["tokens"], 1.0)
+        if rl.max_kl is None or kl <= rl.max_kl or backtracks == rl.kl_backtracks:
+            break
+        backtracks += 1                  # too far from the behaviour policy: undo (back to version `step`), redo
+        run.drop_cached("trainer")
+    trainer.set_lr(rl.lr)                # the checkpoint carries the configured rate, not this step's
+    n = max(totals.get("tokens", 0.0), 1.0)
+    n0 = max(first_epoch.get("tokens", 0.0), 1.0)
+    tag = f"v{step + 1}"
+    trainer.save(str(run.ckpt), tag, {"version": step + 1, "step": step, "rng": _rng_state()})
+    run.drop_cached("trainer")
+    run.cached("trainer", lambda: (trainer, step + 1))
+    return run.mark(f"train_{step:04d}", {
+        "checkpoint": str(run.ckpt / tag), "loss": totals.get("loss", 0.0),
+        "clip_frac": shift["clipped"] / max(shift["tokens"], 1.0), "kl": kl,
+        "clip_frac_in_update": totals.get("clip_frac", 0.0) / n,
+        "entropy": totals.get("entropy", 0.0) / n,
+        "logprob_mismatch": first_epoch.get("logprob_mismatch", 0.0) / n0,
+        "tokens_trained": first_epoch.get("tokens", 0.0), "grad_norm": grad_norm,
+        "kl_backtracks": backtracks, "lr": rl.lr * 0.5 ** backtracks,
+        "staleness": 0, "train_s": time.time() - t0,
+        **{f"packing_{k}": v for k, v in packing.items()}})["checkpoint"]
+
+
+def _update(run: RunDir, step: int, trainer, chunks, normaliser: float):
+    """`rl.epochs` passes of PPO over the step's micro-batches, one optimizer step per pass; returns the
+    loss statistics summed over all passes and over the first, and the last gradient norm."""
+    cfg, rl = run.cfg, run.cfg.rl
+    totals: dict[str, float] = {}
+    first_epoch: dict[str, float] = {}
     grad_norm = 0.0
     with phase(f"step {step}: train", rl.epochs * len(chunks)) as tick:
         for epoch in range(rl.epochs):
             for k, chunk in enumerate(chunks):
-                st = trainer.micro_step(chunk, batch.normaliser, objective="ppo", temperature=cfg.rollout.temperature,
+                st = trainer.micro_step(chunk, normaliser, objective="ppo", temperature=cfg.rollout.temperature,
                                         clip_low=rl.clip_low, clip_high=rl.clip_high,
                                         negative_scale=rl.negative_scale, entropy_coef=rl.entropy_coef,
                                         last=k == len(chunks) - 1)
@@ -655,29 +688,19 @@ def _train_step(run: RunDir, step: int, batch, t0: float) -> str:
                 tick()
             if chunks:
                 grad_norm = trainer.optimizer_step()
-    # the update's size: KL and clip fraction of the new policy against the behaviour one, on every 4th
-    # micro-step (a forward over all of them was 22–24% of a `default` train step)
+    return totals, first_epoch, grad_norm
+
+
+def _policy_shift(run: RunDir, trainer, chunks) -> dict[str, float]:
+    """The update's size: KL and clipped tokens of the new policy against the behaviour one, summed over
+    every 4th micro-batch (a forward over all of them was 22–24% of a `default` train step)."""
+    rl = run.cfg.rl
     shift = {"kl": 0.0, "clipped": 0.0, "tokens": 0.0}
     for chunk in chunks[::4]:
-        for key, v in trainer.policy_shift(chunk, temperature=cfg.rollout.temperature, clip_low=rl.clip_low,
+        for key, v in trainer.policy_shift(chunk, temperature=run.cfg.rollout.temperature, clip_low=rl.clip_low,
                                            clip_high=rl.clip_high).items():
             shift[key] += v
-    ns = max(shift["tokens"], 1.0)
-    n = max(totals.get("tokens", 0.0), 1.0)
-    n0 = max(first_epoch.get("tokens", 0.0), 1.0)
-    tag = f"v{step + 1}"
-    trainer.save(str(run.ckpt), tag, {"version": step + 1, "step": step, "rng": _rng_state()})
-    run.drop_cached("trainer")
-    run.cached("trainer", lambda: (trainer, step + 1))
-    return run.mark(f"train_{step:04d}", {
-        "checkpoint": str(run.ckpt / tag), "loss": totals.get("loss", 0.0),
-        "clip_frac": shift["clipped"] / ns, "kl": shift["kl"] / ns,
-        "clip_frac_in_update": totals.get("clip_frac", 0.0) / n,
-        "entropy": totals.get("entropy", 0.0) / n,
-        "logprob_mismatch": first_epoch.get("logprob_mismatch", 0.0) / n0,
-        "tokens_trained": first_epoch.get("tokens", 0.0), "grad_norm": grad_norm,
-        "staleness": 0, "train_s": time.time() - t0,
-        **{f"packing_{k}": v for k, v in packing.items()}})["checkpoint"]
+    return shift
 
 
 def publish(run_dir: str, step: int) -> str:
@@ -711,6 +734,7 @@ def step_metrics(run: RunDir, step: int) -> dict[str, float]:
         "train/clip_frac_in_update": tr.get("clip_frac_in_update", 0.0),
         "train/entropy": tr.get("entropy", 0.0), "train/logprob_mismatch": tr.get("logprob_mismatch", 0.0),
         "train/grad_norm": tr.get("grad_norm", 0.0), "train/staleness": tr.get("staleness", 0),
+        "train/kl_backtracks": tr.get("kl_backtracks", 0), "train/lr": tr.get("lr", run.cfg.rl.lr),
         "tokens/packed_computed": tr.get("packing_tokens_computed", 0), "tokens/flat": tr.get("packing_tokens_flat", 0),
         "time/rollout_s": ro.get("rollout_s", 0.0), "time/score_s": sc.get("score_s", 0.0),
         "time/process_s": pr.get("process_s", 0.0), "time/train_s": tr.get("train_s", 0.0),

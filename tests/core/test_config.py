@@ -28,10 +28,11 @@ def test_dotted_overrides_parse_yaml_values():
     ("rollout.group_size=many", "rollout.group_size: Input should be a valid integer"),
     ("rl.advantage_norm=max", "rl.advantage_norm: Input should be 'none' or 'std'"),
     ("noequals", "override 'noequals': expected key=value"),
+    ("rl.max_kl=0.02 elastic.enabled=true", "rl.max_kl: the elastic phase streams its update and cannot redo"),
 ])
 def test_bad_values_name_the_field(override, message):
     with pytest.raises(ConfigError) as err:
-        load_config("smoke", [override])
+        load_config("smoke", override.split())
     assert str(err.value).startswith(message)
     assert "\n" not in str(err.value)
 

@@ -315,6 +315,41 @@ def test_replay_trains_on_the_stored_trajectories_without_rollouts(tmp_path, mon
             assert torch.equal(mine[k], theirs[k]), (v, k)
 
 
+def _max_diff(a: dict, b: dict) -> float:
+    return max((a[k] - b[k]).abs().max().item() for k in a)
+
+
+def test_an_update_past_max_kl_is_redone_at_half_the_learning_rate(tmp_path):
+    """`rl.max_kl`: a bound no update can meet makes each step undo and redo its update `kl_backtracks`
+    times, halving the rate each time and keeping the last try — so a replay of a run made at a quarter of
+    the rate, guarded at the full rate, ends at that run's weights (the same stored batches). Adam's steps
+    are about ±lr a weight, so a full-rate update would land ~7e-5 away; the two agree to float rounding
+    (training on CPU is not bit-reproducible once gradients are non-zero)."""
+    ov = _overrides(tmp_path, "quarter") + ["rollout.tasks_per_step=4", "rollout.group_size=8",
+                                            "eval.episodes=4", "eval.greedy_episodes=0"]
+    run_cache.clear()
+    train(preset="smoke", overrides=ov + ["rl.lr=2.5e-5"])
+    run_cache.clear()
+    train(preset="smoke", overrides=ov + ["run.name=guarded", "run.replay=quarter", "rl.max_kl=1e-30",
+                                          "rl.kl_backtracks=2"])
+    runs = {name: RunDir.open(tmp_path / "runs" / name) for name in ("guarded", "quarter")}
+    weights = {(name, v): load_weights(str(runs[name].path / "weights" / f"v{v}.safetensors"))
+               for name in runs for v in (0, 1, 2)}
+    for step in (0, 1):
+        guarded = runs["guarded"].done(f"train_{step:04d}")
+        quarter = runs["quarter"].done(f"train_{step:04d}")
+        assert guarded["kl_backtracks"] == 2 and guarded["lr"] == 2.5e-5
+        assert quarter["kl_backtracks"] == 0 and quarter["lr"] == 2.5e-5
+        assert guarded["kl"] == pytest.approx(quarter["kl"], rel=1e-3) and quarter["grad_norm"] > 0
+        moved = _max_diff(weights["quarter", step + 1], weights["quarter", step])
+        assert 1e-5 < moved < 1e-4   # an update of about ±2.5e-5 a weight
+        assert _max_diff(weights["guarded", step + 1], weights["quarter", step + 1]) < 1e-7
+    # the checkpoint keeps the configured rate: a resumed run does not inherit a step's halvings
+    run_cache.clear()
+    trainer = steps._trainer(RunDir.open(runs["guarded"].path), 2)
+    assert [g["lr"] for g in trainer.optimizer.param_groups] == [1e-4] * len(trainer.optimizer.param_groups)
+
+
 def test_a_run_on_an_s3_lake(tmp_path, s3_server):
     """`lake.root = s3://...` end to end on a real S3-compatible server on loopback (moto's server mode):
     the run writes, reads (score, process, dedup, the summary) and SQL through s3fs."""
