@@ -35,10 +35,27 @@ def _outcomes(run: RunDir, label: str, metric: str) -> tuple[list[int], list[flo
     return m["sampled"]["seeds"], [float(x) for x in m["sampled"][key]]
 
 
-def load_run(run_dir: Path, metric: str) -> dict:
-    """A finished run's per-seed outcomes before RL, after RL and of the control (None if it had none)."""
+# what a control borrowed from another run must share with this one: the warm start and the evaluation
+_WARM_START_PREFIXES = ("run.seed", "env.", "model.", "harness.", "warmstart.", "eval.episodes")
+
+
+def load_run(run_dir: Path, metric: str, control_from: Path | None = None) -> dict:
+    """A finished run's per-seed outcomes before RL, after RL and of the control (None if it had none).
+
+    `control_from`: take the control from that run instead — another RL setting from the same warm start
+    (e.g. an ablation row, which has none of its own); their configs must agree on the warm start."""
     run = RunDir.open(run_dir)
     got = {name: _outcomes(run, name, metric) for name in ("before", "after", "control")}
+    if control_from is not None:
+        mine, theirs = (_flat(yaml.safe_load((d / "config.yaml").read_text()) or {}) for d in (run_dir, control_from))
+        differ = sorted(k for k in set(mine) | set(theirs) if k.startswith(_WARM_START_PREFIXES)
+                        and mine.get(k) != theirs.get(k))
+        if differ:
+            raise SystemExit(f"{run_dir}: the control's run {control_from} has another warm start "
+                             f"({', '.join(differ)})")
+        got["control"] = _outcomes(RunDir.open(control_from), "control", metric)
+        if got["control"] is None:
+            raise SystemExit(f"{control_from}: no control evaluation")
     if got["before"] is None or got["after"] is None:
         raise SystemExit(f"{run_dir}: no before/after evaluation (is the run finished?)")
     seeds = got["before"][0]
@@ -119,10 +136,16 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("run_dirs", nargs="+", type=Path, help="finished run directories (data/runs/<run id>)")
     p.add_argument("--metric", choices=("success", "partial"), default="success")
     p.add_argument("--json", action="store_true", help="print the figures as JSON instead of a table")
+    p.add_argument("--control-from", nargs="+", default=None, metavar="DIR",
+                   help="one per run directory: take that run's control from DIR instead ('-': its own)")
     args = p.parse_args(argv)
     if len({d.resolve() for d in args.run_dirs}) < len(args.run_dirs):
         raise SystemExit("the same run directory was given twice; pooling needs independent runs")
-    out = compare_runs([load_run(d, args.metric) for d in args.run_dirs])
+    controls = args.control_from or ["-"] * len(args.run_dirs)
+    if len(controls) != len(args.run_dirs):
+        raise SystemExit(f"--control-from: {len(controls)} given for {len(args.run_dirs)} run directories")
+    out = compare_runs([load_run(d, args.metric, None if c == "-" else Path(c))
+                        for d, c in zip(args.run_dirs, controls)])
     out["config_differences"] = config_differences(args.run_dirs)
     if args.json:
         print(json.dumps(out, indent=1))

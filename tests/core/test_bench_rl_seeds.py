@@ -72,3 +72,23 @@ def test_config_differences_ignore_seeds_and_names_but_name_the_rest(tmp_path):
     c = _run(tmp_path, "c", [0] * 4, [0] * 4, [0] * 4,
              cfg={"run": {"name": "c", "seed": 2}, "env": {"train_seed_start": 0}, "rl": {"lr": 3e-4}})
     assert config_differences([a, b, c]) == ["rl.lr"]
+
+
+def test_a_control_borrowed_from_a_run_with_the_same_warm_start(tmp_path):
+    """`--control-from`: an ablation row (no control of its own) takes the control of the run that shares
+    its warm start; a run with another warm start (here another run.seed) is refused."""
+    shipped = _run(tmp_path, "shipped", [0, 0, 1, 0], [1, 0, 1, 0], [0, 1, 1, 0])
+    other_rl = {"run": {"name": "abl", "seed": 0}, "env": {"train_seed_start": 0}, "rl": {"lr": 3e-4}}
+    abl = _run(tmp_path, "abl", [0, 0, 1, 0], [1, 1, 1, 1], [0, 0, 0, 0], cfg=other_rl)
+    (abl / "markers" / "eval_control.json").unlink()
+    assert load_run(abl, "success")["control"] is None
+    row = compare_runs([load_run(abl, "success", control_from=shipped)])["runs"][0]
+    assert row["control"] == 0.5 and row["rl_vs_control"]["diff"] == pytest.approx(0.5)   # 1.0 after − 0.5
+    out = main([str(abl), "--control-from", str(shipped), "--json"])
+    assert out["pooled"]["rl_vs_control"]["diff"] == pytest.approx(0.5)
+    seed1 = _run(tmp_path, "seed1", [0] * 4, [0] * 4, [0] * 4,
+                 cfg={"run": {"name": "seed1", "seed": 1}, "env": {"train_seed_start": 0}, "rl": {"lr": 1e-4}})
+    with pytest.raises(SystemExit, match=r"another warm start \(run.seed\)"):
+        load_run(abl, "success", control_from=seed1)
+    with pytest.raises(SystemExit, match="1 given for 2 run directories"):
+        main([str(abl), str(shipped), "--control-from", str(shipped)])
