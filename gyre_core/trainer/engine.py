@@ -19,6 +19,7 @@ satellite gradients in with `gradients()` / `add_gradients()`, and closes with
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 
@@ -62,6 +63,31 @@ def init_distributed() -> None:
     os.environ.setdefault("WORLD_SIZE", "1")
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     deepspeed.init_distributed(dist_backend=backend, verbose=False)
+
+
+@contextlib.contextmanager
+def _reproducible(device: torch.device):
+    """Deterministic kernels for one CPU forward + backward, then the process's own setting back.
+
+    With several threads the backward of tree attention's `index_select` adds into the key gradient in a
+    thread-dependent order: two runs of one update differed by ~1 ulp, so a resumed or replayed run drifted
+    from the original. The cost is ~1% of an update (`bench/deterministic_update.py`). Scoped, not
+    process-wide: set process-wide, the test suite's process grew to 21 GB; the flag also fills every
+    `torch.empty` (the likely cause), so that filling stays off here."""
+    if device.type != "cpu":
+        yield
+        return
+    import torch.utils.deterministic as det
+
+    was, warn_only, fill = (torch.are_deterministic_algorithms_enabled(),
+                            torch.is_deterministic_algorithms_warn_only_enabled(), det.fill_uninitialized_memory)
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    det.fill_uninitialized_memory = False
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(was, warn_only=warn_only)
+        det.fill_uninitialized_memory = fill
 
 
 class Trainer:
@@ -116,6 +142,12 @@ class Trainer:
         token, weighted as the policy loss is): a bonus that keeps the sampling distribution from
         collapsing faster than the reward justifies.
         """
+        with _reproducible(self.device):
+            return self._micro_step(seqs, normaliser, objective, temperature, clip_low, clip_high,
+                                    negative_scale, last, is_cap, prox_logprobs, entropy_coef)
+
+    def _micro_step(self, seqs, normaliser, objective, temperature, clip_low, clip_high, negative_scale, last,
+                    is_cap, prox_logprobs, entropy_coef) -> dict[str, float]:
         c = self._collate(seqs)
         self.engine.set_gradient_accumulation_boundary(last)
         out = self.engine(**c.model_inputs())
