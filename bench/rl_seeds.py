@@ -47,7 +47,7 @@ def load_run(run_dir: Path, metric: str, control_from: Path | None = None) -> di
     run = RunDir.open(run_dir)
     got = {name: _outcomes(run, name, metric) for name in ("before", "after", "control")}
     if control_from is not None:
-        mine, theirs = (_flat(yaml.safe_load((d / "config.yaml").read_text()) or {}) for d in (run_dir, control_from))
+        mine, theirs = _flat_config(run_dir), _flat_config(control_from)
         differ = sorted(k for k in set(mine) | set(theirs) if k.startswith(_WARM_START_PREFIXES)
                         and mine.get(k) != theirs.get(k))
         if differ:
@@ -76,9 +76,13 @@ def _flat(d: dict, prefix: str = "") -> dict:
     return out
 
 
+def _flat_config(run_dir: Path) -> dict:
+    return _flat(yaml.safe_load((run_dir / "config.yaml").read_text()) or {})
+
+
 def config_differences(run_dirs: list[Path]) -> list[str]:
     """Config keys (other than seeds, names and paths) on which the runs disagree."""
-    cfgs = [_flat(yaml.safe_load((d / "config.yaml").read_text()) or {}) for d in run_dirs]
+    cfgs = [_flat_config(d) for d in run_dirs]
     keys = set().union(*cfgs) - _RUN_KEYS
     return sorted(k for k in keys if len({json.dumps(c.get(k), sort_keys=True) for c in cfgs}) > 1)
 

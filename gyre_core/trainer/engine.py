@@ -143,34 +143,29 @@ class Trainer:
         collapsing faster than the reward justifies.
         """
         with _reproducible(self.device):
-            return self._micro_step(seqs, normaliser, objective, temperature, clip_low, clip_high,
-                                    negative_scale, last, is_cap, prox_logprobs, entropy_coef)
-
-    def _micro_step(self, seqs, normaliser, objective, temperature, clip_low, clip_high, negative_scale, last,
-                    is_cap, prox_logprobs, entropy_coef) -> dict[str, float]:
-        c = self._collate(seqs)
-        self.engine.set_gradient_accumulation_boundary(last)
-        out = self.engine(**c.model_inputs())
-        logp, entropy = token_logprobs(out.logits, c, temperature)
-        if objective == "ppo":
-            loss, stats = ppo_clip_loss(logp, c, clip_low, clip_high, normaliser, negative_scale)
-        elif objective == "decoupled":
-            prox = None if prox_logprobs is None else torch.as_tensor(prox_logprobs, dtype=torch.float64,
-                                                                          device=self.device)
-            loss, stats = decoupled_ppo_loss(logp, c, clip_low, clip_high, normaliser, is_cap=is_cap,
-                                             prox_logprobs=prox, negative_scale=negative_scale)
-        elif objective == "nll":
-            loss, stats = nll_loss(logp, c, normaliser)
-        else:
-            raise ValueError(f"objective must be 'ppo', 'decoupled' or 'nll', got {objective!r}")
-        if entropy_coef:
-            loss = loss - entropy_coef * (c.weights * entropy.to(c.weights.dtype)).sum() / normaliser
-        self.engine.backward(loss)
-        self._pending = True
-        self._closed = self._closed or last
-        stats.update(loss=loss.item(), tokens=float(c.tgt.numel()), entropy=entropy.detach().sum().item(),
-                     nll=-logp.detach().sum().item())
-        return stats
+            c = self._collate(seqs)
+            self.engine.set_gradient_accumulation_boundary(last)
+            out = self.engine(**c.model_inputs())
+            logp, entropy = token_logprobs(out.logits, c, temperature)
+            if objective == "ppo":
+                loss, stats = ppo_clip_loss(logp, c, clip_low, clip_high, normaliser, negative_scale)
+            elif objective == "decoupled":
+                prox = None if prox_logprobs is None else torch.as_tensor(prox_logprobs, dtype=torch.float64,
+                                                                              device=self.device)
+                loss, stats = decoupled_ppo_loss(logp, c, clip_low, clip_high, normaliser, is_cap=is_cap,
+                                                 prox_logprobs=prox, negative_scale=negative_scale)
+            elif objective == "nll":
+                loss, stats = nll_loss(logp, c, normaliser)
+            else:
+                raise ValueError(f"objective must be 'ppo', 'decoupled' or 'nll', got {objective!r}")
+            if entropy_coef:
+                loss = loss - entropy_coef * (c.weights * entropy.to(c.weights.dtype)).sum() / normaliser
+            self.engine.backward(loss)
+            self._pending = True
+            self._closed = self._closed or last
+            stats.update(loss=loss.item(), tokens=float(c.tgt.numel()), entropy=entropy.detach().sum().item(),
+                         nll=-logp.detach().sum().item())
+            return stats
 
     @torch.no_grad()
     def logprobs(self, seqs, *, temperature: float = 1.0) -> torch.Tensor:
