@@ -18,6 +18,30 @@ from gyre_core.run import RunDir
 from gyre_core.trainer.publish import load_weights
 
 STEPS = 3          # burst 2 cannot start before version 1 exists (max_staleness 1)
+# Per-turn progress credit gives every burst a learning signal: a group whose executions all earned the same
+# reward (all solved, say) has zero advantages, but its turns that moved towards the goal are still credited.
+# Without it the smoke workload (2 groups of 4) sometimes had no signal in step 0, and the reference update
+# had nothing to compare.
+CREDIT = "rl.progress_credit=1.0"
+
+
+def _sequences(cfg, recs) -> dict[str, list]:
+    """execution id -> its training sequences, as the step loop builds them from the records: group-relative
+    advantages over the scored executions, plus the per-turn progress credit."""
+    from gyre_core.processor.batch import execution_sequences, group_advantages
+
+    ok = [r for r in recs if r.status != "failed"]
+    groups: dict[str, list[str]] = {}
+    for r in ok:
+        groups.setdefault(r.task_id, []).append(r.execution_id)
+    adv = group_advantages({r.execution_id: r.reward for r in ok}, groups, cfg.rl.advantage_norm)
+    return {r.execution_id: execution_sequences(r, adv[r.execution_id], cfg.rl.progress_credit) for r in ok}
+
+
+def _signal(cfg, recs) -> bool:
+    """Does this step's batch carry a gradient: a trained token with a nonzero advantage?"""
+    return any(w and a for seqs in _sequences(cfg, recs).values() for sq in seqs
+               for w, a in zip(sq.weights, sq.advantages))
 
 
 def _logprobs(model, prompt: list[int], completion: list[int], temperature: float) -> list[float]:
@@ -35,16 +59,11 @@ def _assert_reference_update(cfg, run, recs, v0: dict, v1: dict) -> None:
     there the summation order (cells vs one trainer) decides the sign."""
     from gyre_core.elastic.stream import finish_step
     from gyre_core.model import load_policy as load
-    from gyre_core.processor.batch import execution_sequences, group_advantages, micro_batches
+    from gyre_core.processor.batch import micro_batches
     from gyre_core.trainer.engine import Trainer
 
     rl = cfg.rl
-    ok = [r for r in recs if r.status != "failed"]
-    groups: dict[str, list[str]] = {}
-    for r in ok:
-        groups.setdefault(r.task_id, []).append(r.execution_id)
-    adv = group_advantages({r.execution_id: r.reward for r in ok}, groups, rl.advantage_norm)
-    seqs_of = {r.execution_id: execution_sequences(r, adv[r.execution_id]) for r in ok}
+    seqs_of = _sequences(cfg, recs)
     kept = [e for e, seqs in seqs_of.items() if any(w for sq in seqs for w in sq.weights)]
     model, tok = load(str(run.warm))
     model.load_state_dict(v0, strict=False)
@@ -55,7 +74,7 @@ def _assert_reference_update(cfg, run, recs, v0: dict, v1: dict) -> None:
                        clip_low=rl.clip_low, clip_high=rl.clip_high, is_cap=cfg.elastic.is_cap,
                        negative_scale=rl.negative_scale, last=False)
     grads = {k: g.clone() for k, g in ref.gradients().items()}
-    assert any(g.abs().max() > 0 for g in grads.values())          # step 0 had a learning signal
+    assert _signal(cfg, recs) and any(g.abs().max() > 0 for g in grads.values())    # step 0 had a signal
     norm = finish_step(ref, len(kept))          # the pre-clip norm of the summed gradient ÷ N
     coef = min(1.0, rl.grad_clip / norm) / len(kept)
     got = dict(ref.model.named_parameters())
@@ -78,7 +97,7 @@ def test_real_cells_train_with_exact_per_token_versions(tmp_path, channel):
         "elastic.enabled=true", "elastic.mode=real", "elastic.cells=2", "elastic.policy=elastic",
         f"elastic.grad_channel={channel}",
         "elastic.micro_step_executions=2", "elastic.max_staleness=1", "elastic.capacity=4",
-        f"rl.steps={STEPS}", "rl.lr=3e-3",
+        f"rl.steps={STEPS}", "rl.lr=3e-3", CREDIT,
         "eval.episodes=8", "eval.greedy_episodes=0", "eval.random_baseline=false"])
     run_dir = st.prepare(cfg)
     st.warm_start(run_dir)
@@ -100,21 +119,16 @@ def test_real_cells_train_with_exact_per_token_versions(tmp_path, channel):
     records = {s: st._read_records(run, f"step={s}") for s in range(STEPS)}
     assert all(len(records[s]) == n_per_step for s in range(STEPS))
 
-    # versions: real updates — each differs from the one before whenever its burst carried a signal (a burst
-    # whose every group had equal rewards, e.g. all solved, has zero advantages: a zero gradient)
+    # versions: real updates — each differs from the one before whenever its burst carried a signal
     model, _ = load_policy(str(run.warm))
     weights = {0: {k: v.clone() for k, v in model.state_dict().items()}}
     changed = []
     for v in range(1, STEPS + 1):
         weights[v] = load_weights(run.weights_uri(v))
         changed.append(any(not torch.equal(weights[v][k], weights[v - 1][k]) for k in weights[v]))
-        groups: dict[str, set] = {}
-        for r in records[v - 1]:
-            if r.status != "failed":     # not scored, not trained
-                groups.setdefault(r.task_id, set()).add(r.reward)
-        if any(len(rewards) > 1 for rewards in groups.values()):
+        if _signal(cfg, records[v - 1]):
             assert changed[-1], v
-    assert any(changed)
+    assert changed[0]
 
     # every token: a version the staleness bound allows for its burst, and its behaviour log-prob is what
     # that version's weights assign (recomputed without the engine's KV cache)
@@ -179,7 +193,7 @@ def test_a_satellite_lost_holding_its_gradient_falls_back_to_arrays(tmp_path, mo
     cfg = load_config("smoke", [
         f"run.out_root={tmp_path}/runs", f"lake.root={tmp_path}/lake", f"tracking.uri=sqlite:///{tmp_path}/m.db",
         "elastic.enabled=true", "elastic.mode=real", "elastic.cells=2", "elastic.policy=colocated",
-        "elastic.micro_step_executions=1", "elastic.capacity=8", "rl.steps=2", "rl.lr=3e-3",
+        "elastic.micro_step_executions=1", "elastic.capacity=8", "rl.steps=2", "rl.lr=3e-3", CREDIT,
         "eval.episodes=8", "eval.greedy_episodes=0", "eval.random_baseline=false"])
     run_dir = st.prepare(cfg)
     st.warm_start(run_dir)
