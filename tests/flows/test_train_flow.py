@@ -320,7 +320,9 @@ def test_an_update_past_max_kl_is_redone_at_half_the_learning_rate(tmp_path):
     times, halving the rate each time and keeping the last try — so a replay of a run made at a quarter of
     the rate, guarded at the full rate, ends at exactly that run's weights (the same stored batches; Adam's
     steps are about ±lr a weight, so an unguarded full-rate replay would land ~7e-5 away)."""
+    # per-turn progress credit: every step carries a signal even where each group's rewards came out equal
     ov = _overrides(tmp_path, "quarter") + ["rollout.tasks_per_step=4", "rollout.group_size=8",
+                                            "processor.mode=flat", "rl.progress_credit=1.0",
                                             "eval.episodes=4", "eval.greedy_episodes=0"]
     run_cache.clear()
     train(preset="smoke", overrides=ov + ["rl.lr=2.5e-5"])
