@@ -16,9 +16,23 @@ from gyre_core.run import RunDir
 from gyre_core.trainer.publish import load_weights
 
 
+# 4 tasks × 8 executions a step: from the smoke warm start about half of all groups of 4 came out with equal
+# rewards, and the preset's 2 × 4 left seed 0's two RL steps without a gradient — the exact-weight checks of
+# resume and replay below would then compare warm starts. With 4 × 8 the run's updates are real (asserted).
+WORKLOAD = ["rollout.tasks_per_step=4", "rollout.group_size=8"]
+
+
 def _overrides(tmp, name):
     return [f"run.out_root={tmp}/runs", f"lake.root={tmp}/lake", f"tracking.uri=sqlite:///{tmp}/mlflow.db",
-            f"run.name={name}"]
+            f"run.name={name}", *WORKLOAD]
+
+
+def _assert_updates_were_real(run_dir) -> None:
+    """The run's RL steps had a gradient, and its final weights are not the warm start's."""
+    run = RunDir.open(run_dir)
+    assert any(run.done(f"train_{s:04d}")["grad_norm"] > 0 for s in range(2))
+    first, last = (load_weights(str(run.path / "weights" / f"v{v}.safetensors")) for v in (0, 2))
+    assert any(not torch.equal(first[k], last[k]) for k in last)
 
 
 def _q(con, sql):
@@ -34,7 +48,7 @@ def clean_run(tmp_path_factory):
 
 def test_smoke_flow_leaves_lake_rows_and_mlflow_metrics(clean_run):
     tmp_path, summary = clean_run
-    B, G, steps_n, eval_n = 2, 4, 2, 16
+    B, G, steps_n, eval_n = 4, 8, 2, 16
     assert summary["rl_steps"] == steps_n and summary["eval_paired"] is True
     assert summary["eval_episodes"] == eval_n
     con = connect(str(tmp_path / "lake"), run_id="flowtest")
@@ -192,7 +206,7 @@ def test_resume_after_a_failed_task_skips_finished_steps(tmp_path, monkeypatch, 
         assert after[name] == t, name
     assert summary["rl_steps"] == 2
     con = connect(str(tmp_path / "lake"), run_id="resumetest")
-    assert _q(con, "SELECT count(*) FROM executions WHERE split='train'") == [(16,)]
+    assert _q(con, "SELECT count(*) FROM executions WHERE split='train'") == [(2 * 4 * 8,)]
     assert _q(con, "SELECT count(*), count(DISTINCT execution_id) FROM executions")[0][0] == \
         _q(con, "SELECT count(DISTINCT execution_id) FROM executions")[0][0]
     client = MlflowClient(tracking_uri=f"sqlite:///{tmp_path}/mlflow.db")
@@ -211,6 +225,7 @@ def test_resume_after_a_failed_task_skips_finished_steps(tmp_path, monkeypatch, 
     assert crashed.keys() == clean.keys()
     for k in clean:
         assert torch.equal(crashed[k], clean[k]), k
+    _assert_updates_were_real(clean_tmp / "runs" / "flowtest")
 
 
 def test_control_spends_the_rl_wall_time_on_the_same_tasks_and_seeds(clean_run):
@@ -287,7 +302,8 @@ def test_replay_trains_on_the_stored_trajectories_without_rollouts(tmp_path, mon
     monkeypatch.setattr(steps, "_roll_out", no_rollouts)
     monkeypatch.setattr(steps, "_demonstrations", no_rollouts)
     monkeypatch.setattr(steps, "evaluate", no_rollouts)
-    ov = [f"run.out_root={tmp_path}/runs", f"lake.root={clean_tmp}/lake", f"tracking.uri=sqlite:///{tmp_path}/mlflow.db"]
+    ov = [f"run.out_root={tmp_path}/runs", f"lake.root={clean_tmp}/lake", f"tracking.uri=sqlite:///{tmp_path}/mlflow.db",
+          *WORKLOAD]
     from gyre_core.config import ConfigError
     with pytest.raises(ConfigError, match="no run 'nosuchrun' in the lake"):
         train(preset="smoke", overrides=ov + ["run.replay=nosuchrun"])
@@ -313,6 +329,7 @@ def test_replay_trains_on_the_stored_trajectories_without_rollouts(tmp_path, mon
         theirs = load_weights(str(clean_tmp / "runs" / "flowtest" / "weights" / f"v{v}.safetensors"))
         for k in theirs:
             assert torch.equal(mine[k], theirs[k]), (v, k)
+    _assert_updates_were_real(tmp_path / "runs" / "flowtest-replay")
 
 
 def test_an_update_past_max_kl_is_redone_at_half_the_learning_rate(tmp_path):
@@ -321,8 +338,7 @@ def test_an_update_past_max_kl_is_redone_at_half_the_learning_rate(tmp_path):
     the rate, guarded at the full rate, ends at exactly that run's weights (the same stored batches; Adam's
     steps are about ±lr a weight, so an unguarded full-rate replay would land ~7e-5 away)."""
     # per-turn progress credit: every step carries a signal even where each group's rewards came out equal
-    ov = _overrides(tmp_path, "quarter") + ["rollout.tasks_per_step=4", "rollout.group_size=8",
-                                            "processor.mode=flat", "rl.progress_credit=1.0",
+    ov = _overrides(tmp_path, "quarter") + ["processor.mode=flat", "rl.progress_credit=1.0",
                                             "eval.episodes=4", "eval.greedy_episodes=0"]
     run_cache.clear()
     train(preset="smoke", overrides=ov + ["rl.lr=2.5e-5"])
