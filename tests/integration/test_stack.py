@@ -50,6 +50,11 @@ def _overrides(tmp, name: str) -> list[str]:
     return [f"run.out_root={tmp}/runs", f"lake.root={tmp}/lake", f"run.name={name}", "eval.control=false"]
 
 
+# stacktest and crashtest: 4 tasks × 8 a step. The smoke preset's 2 × 4 gave seed 0's two RL steps no
+# gradient (all groups' rewards equal), and the crash test's exact-weight check would compare warm starts.
+WORKLOAD = ["rollout.tasks_per_step=4", "rollout.group_size=8"]
+
+
 def _client(spec):
     from prefect.client.orchestration import get_client
     from prefect.settings import PREFECT_API_URL, temporary_settings
@@ -81,13 +86,14 @@ def test_train_from_the_api_lands_in_the_lake_and_mlflow(stack):
     assert listening(spec.host, spec.prefect_port) and listening(spec.host, spec.mlflow_port)
     with pytest.raises(StackError, match="already up"):
         up(spec, say=lambda m: None)
-    fr = _run(spec, "gyre-train/train", {"preset": "smoke", "overrides": _overrides(tmp, "stacktest"), "steps": 2})
+    fr = _run(spec, "gyre-train/train", {"preset": "smoke", "overrides": _overrides(tmp, "stacktest") + WORKLOAD,
+                                          "steps": 2})
     assert fr.state.is_completed(), fr.state
     assert "stacktest" in fr.name
     from gyre_core.lake.sql import connect
 
     con = connect(str(tmp / "lake"), run_id="stacktest")
-    assert con.execute("SELECT count(*) FROM executions WHERE split = 'train'").fetchall() == [(16,)]
+    assert con.execute("SELECT count(*) FROM executions WHERE split = 'train'").fetchall() == [(2 * 4 * 8,)]
     # the worker pointed the run at the stack's MLflow server
     from mlflow.tracking import MlflowClient
 
@@ -168,7 +174,7 @@ def test_a_killed_run_is_marked_crashed_and_a_retry_resumes_it_exactly(stack):
     from prefect.deployments import run_deployment
     from prefect.settings import PREFECT_API_URL, temporary_settings
 
-    params = {"preset": "smoke", "overrides": _overrides(tmp, "crashtest"), "steps": 2}
+    params = {"preset": "smoke", "overrides": _overrides(tmp, "crashtest") + WORKLOAD, "steps": 2}
     with temporary_settings(updates={PREFECT_API_URL: spec.api_url}):
         fr = run_deployment("gyre-train/train", parameters=params, timeout=0)   # what the UI's Run does
     client = _client(spec)
@@ -212,13 +218,15 @@ def test_a_killed_run_is_marked_crashed_and_a_retry_resumes_it_exactly(stack):
 
     con = connect(str(tmp / "lake"), run_id="crashtest")
     assert con.execute("SELECT step, count(*), count(DISTINCT execution_id) FROM executions WHERE split = 'train' "
-                       "GROUP BY 1 ORDER BY 1").fetchall() == [(0, 8, 8), (1, 8, 8)]
+                       "GROUP BY 1 ORDER BY 1").fetchall() == [(0, 32, 32), (1, 32, 32)]
     # the final policy is exactly the one of the run that never crashed (stacktest: same preset and seeds)
     from gyre_core.trainer.publish import load_weights
 
     resumed = load_weights(str(tmp / "runs" / "crashtest" / "weights" / "v2.safetensors"))
     clean = load_weights(str(tmp / "runs" / "stacktest" / "weights" / "v2.safetensors"))
     assert resumed.keys() == clean.keys() and all(torch.equal(resumed[k], clean[k]) for k in clean)
+    warm = load_weights(str(tmp / "runs" / "stacktest" / "weights" / "v0.safetensors"))
+    assert any(not torch.equal(warm[k], clean[k]) for k in clean)      # and RL moved it: real updates
     from mlflow.tracking import MlflowClient
 
     ml = MlflowClient(tracking_uri=spec.mlflow_url)
