@@ -302,8 +302,8 @@ def test_replay_trains_on_the_stored_trajectories_without_rollouts(tmp_path, mon
     monkeypatch.setattr(steps, "_roll_out", no_rollouts)
     monkeypatch.setattr(steps, "_demonstrations", no_rollouts)
     monkeypatch.setattr(steps, "evaluate", no_rollouts)
-    ov = [f"run.out_root={tmp_path}/runs", f"lake.root={clean_tmp}/lake", f"tracking.uri=sqlite:///{tmp_path}/mlflow.db",
-          *WORKLOAD]
+    ov = [f"run.out_root={tmp_path}/runs", f"lake.root={clean_tmp}/lake",
+          f"tracking.uri=sqlite:///{tmp_path}/mlflow.db", *WORKLOAD]
     from gyre_core.config import ConfigError
     with pytest.raises(ConfigError, match="no run 'nosuchrun' in the lake"):
         train(preset="smoke", overrides=ov + ["run.replay=nosuchrun"])
