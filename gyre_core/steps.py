@@ -639,8 +639,8 @@ def _train_step(run: RunDir, step: int, batch, t0: float) -> str:
         packing = {}
     backtracks = 0
     while True:
-        trainer = _trainer(run, step)
-        trainer.set_lr(rl.lr * 0.5 ** backtracks)
+        trainer, lr = _trainer(run, step), rl.lr * 0.5 ** backtracks
+        trainer.set_lr(lr)
         totals, first_epoch, grad_norm = _update(run, step, trainer, chunks, batch.normaliser)
         shift = _policy_shift(run, trainer, chunks)
         kl = shift["kl"] / max(shift["tokens"], 1.0)
@@ -662,7 +662,7 @@ def _train_step(run: RunDir, step: int, batch, t0: float) -> str:
         "entropy": totals.get("entropy", 0.0) / n,
         "logprob_mismatch": first_epoch.get("logprob_mismatch", 0.0) / n0,
         "tokens_trained": first_epoch.get("tokens", 0.0), "grad_norm": grad_norm,
-        "kl_backtracks": backtracks, "lr": rl.lr * 0.5 ** backtracks,
+        "kl_backtracks": backtracks, "lr": lr,
         "staleness": 0, "train_s": time.time() - t0,
         **{f"packing_{k}": v for k, v in packing.items()}})["checkpoint"]
 
