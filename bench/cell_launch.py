@@ -6,7 +6,7 @@
 `gyre up --devices cpu --devices cpu` in a temporary home on free ports (a real Prefect server, MLflow server,
 a flow-run worker and two cell workers), then the same elastic RL phase twice under two run names:
 
-- **process** (`elastic.launch=process`): `gyre_core.steps` in this process; the coordinator starts the
+- **process** (`elastic.launch=process`): `gyre_core.phases` in this process; the coordinator starts the
   two agents as its child processes.
 - **prefect** (`elastic.launch=prefect`): `train` triggered from its deployment, as the UI's Run does; its
   `elastic-rl` task creates one `cell-agent` flow run per cell on queue `rollout`, which the cell workers
@@ -40,9 +40,9 @@ def bench_cells() -> dict:
     from prefect.deployments import run_deployment
     from prefect.settings import PREFECT_API_URL, temporary_settings
 
-    from gyre_core import steps
+    from gyre_core import phases
     from gyre_core.config import load_config
-    from gyre_core.trainer.engine import _free_port
+    from gyre_core.trainer.trainer import _free_port
     from gyre_ops.stack import StackSpec, down, up
 
     with tempfile.TemporaryDirectory(prefix="gyre-bench-cells-") as tmp:
@@ -54,9 +54,9 @@ def bench_cells() -> dict:
         try:
             cfg = load_config("smoke", base + ["run.name=process", "elastic.launch=process",
                                                f"tracking.uri=sqlite:///{tmp}/process-mlflow.db"])
-            run_dir = steps.prepare(cfg)
-            steps.warm_start(run_dir)
-            steps.elastic_rl(run_dir)
+            run_dir = phases.prepare(cfg)
+            phases.warm_start(run_dir)
+            phases.elastic_rl(run_dir)
             process = _figures(Path(run_dir))
             with temporary_settings(updates={PREFECT_API_URL: spec.api_url}):
                 t0 = time.time()

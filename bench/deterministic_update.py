@@ -5,7 +5,7 @@
 Loads a finished run's warm-start policy and one step's processed batch, packs it as training does, and
 times the forward + backward of every packed tree twice as plain torch and twice inside the trainer's
 `_reproducible` scope (deterministic kernels; alternating, three rounds); prints the faster of each pair
-and whether the two gradients were bit-identical (`gyre_core/trainer/engine.py`).
+and whether the two gradients were bit-identical (`gyre_core/trainer/trainer.py`).
 """
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from gyre_core.model import load_policy  # noqa: E402
-from gyre_core.trainer.engine import _reproducible, ensure_tree_attention  # noqa: E402
+from gyre_core.trainer.trainer import _reproducible, ensure_tree_attention  # noqa: E402
 from gyre_core.trainer.losses import collate, token_logprobs  # noqa: E402
 from gyre_core.trainer.packing import pack_branches  # noqa: E402
 

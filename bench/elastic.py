@@ -65,21 +65,21 @@ def _real_config(policy: str, root: str, steps: int, eval_episodes: int):
 
 def run_real(policy: str, root: str, steps: int, eval_episodes: int) -> dict:
     """One real K = 2 run of `policy`: warm start, the elastic RL phase, evaluation before and after."""
-    from gyre_core import steps as st
+    from gyre_core import phases
     from gyre_core.run import RunDir
 
     cfg = _real_config(policy, root, steps, eval_episodes)
-    run_dir = st.prepare(cfg)
-    st.warm_start(run_dir)
-    before = st.evaluate(run_dir, "before")
+    run_dir = phases.prepare(cfg)
+    phases.warm_start(run_dir)
+    before = phases.evaluate(run_dir, "before")
     t0 = time.time()
-    summary = st.elastic_rl(run_dir)
+    summary = phases.elastic_rl(run_dir)
     wall = time.time() - t0
-    after = st.evaluate(run_dir, "after")
+    after = phases.evaluate(run_dir, "after")
     run = RunDir.open(run_dir)
-    records = st._read_records(run, "step=0")
+    records = phases.run_objects.read_records(run, "step=0")
     for s in range(1, steps):
-        records += st._read_records(run, f"step={s}")
+        records += phases.run_objects.read_records(run, f"step={s}")
     times = [[(c.t_start, c.t_end) for c in r.calls] for r in records if r.status != "failed"]
     return {"summary": summary, "wall_s": wall, "records_calls": [r.turns for r in records],
             "turn_times": turn_times(times),

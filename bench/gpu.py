@@ -103,7 +103,7 @@ def check_trainer(device: str = "cuda", lr: float = 1e-3) -> dict:
     """DeepSpeed on the GPU (NCCL) vs plain torch on the CPU: one PPO step on the same flat batch."""
     import torch.distributed as dist
 
-    from gyre_core.trainer.engine import Trainer
+    from gyre_core.trainer.trainer import Trainer
 
     seqs = branching_workload(G=4, K=2, turns=(6, 10), fork_turns=(3,), prompt_tokens=60, obs_tokens=(8, 12),
                               vocab=MODEL_DIMS["vocab_size"], seed=2)
@@ -229,10 +229,10 @@ def check_kernels(device: str = "cuda", repeats: int = 3, G: int = 8) -> dict:
 
 def check_elastic(device: str = "cuda", steps: int = 3, root: str | None = None) -> dict:
     """prepare + warm start on the GPU, then real K = 2 cells on the one GPU, colocated and elastic."""
-    from gyre_core import steps as st
+    from gyre_core import phases
     from gyre_core.config import load_config
     from gyre_core.elastic.runtime import run_elastic
-    from gyre_core.elastic.work import HarnessWork
+    from gyre_core.phases.elastic import HarnessWork
 
     root = root or tempfile.mkdtemp(prefix="gyre-gpu-")
     out: dict = {}
@@ -243,8 +243,8 @@ def check_elastic(device: str = "cuda", steps: int = 3, root: str | None = None)
             f"elastic.policy={policy}", "elastic.capacity=8", "elastic.micro_step_executions=2",
             "rollout.tasks_per_step=4", f"rl.steps={steps}", "warmstart.episodes=80", "warmstart.steps=60"])
         t0 = time.perf_counter()
-        run_dir = st.prepare(cfg)
-        st.warm_start(run_dir)
+        run_dir = phases.prepare(cfg)
+        phases.warm_start(run_dir)
         warm_s = time.perf_counter() - t0
         work = HarnessWork(run_dir, steps)
         res = run_elastic(cfg.elastic, work)

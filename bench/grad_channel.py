@@ -30,7 +30,7 @@ STEPS = 3
 
 
 def _run(root: str, channel: str, cells: int) -> dict:
-    from gyre_core import steps as st
+    from gyre_core import phases
     from gyre_core.config import load_config
     from gyre_core.run import RunDir
 
@@ -40,10 +40,10 @@ def _run(root: str, channel: str, cells: int) -> dict:
         f"elastic.cells={cells}", "elastic.policy=colocated", f"elastic.grad_channel={channel}",
         "elastic.micro_step_executions=1", "elastic.capacity=8", f"rl.steps={STEPS}",
         "eval.episodes=8", "eval.greedy_episodes=0", "eval.random_baseline=false", "eval.control=false"])
-    run_dir = st.prepare(cfg)
-    st.warm_start(run_dir)          # deterministic: both channels start from equal weights
+    run_dir = phases.prepare(cfg)
+    phases.warm_start(run_dir)          # deterministic: both channels start from equal weights
     t0 = time.time()
-    s = st.elastic_rl(run_dir)
+    s = phases.elastic_rl(run_dir)
     from gyre_core.model import load_policy
 
     model, _ = load_policy(str(RunDir.open(run_dir).warm))

@@ -21,8 +21,8 @@ figure is the best run. The written figures go to data/bench-lake.json by hand (
   `HANDWRITTEN_DEDUP` (the same dedup written directly in DuckDB over `read_parquet` of the same files);
   `dedup_vs_handwritten` = ours / handwritten. Every answer is checked: exactly the planted duplicates
   collapsed, and ours keeps the same ids with the same multiplicities as the handwritten one.
-- **summary** (`summary_query_s_10m`): `data/sql/step_summary.sql` through `connect()`, fetched fully and
-  checked against the reference, beside the same text over `read_parquet` views.
+- **summary** (`summary_query_s_10m`): `gyre_core/lake/queries/step_summary.sql` through `connect()`, fetched
+  fully and checked against the reference, beside the same text over `read_parquet` views.
 - An attempt that raises a DuckDB error or gives a wrong answer is counted (`*_failed_runs`,
   `*_wrong_runs`, `*_errors`), not timed, and retried; a figure is null when no attempt was right.
 - **s3**: the same figures with the lake on a moto S3 server on 127.0.0.1 (`s3://gyre-bench/lake`).
@@ -43,9 +43,11 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
+import gyre_core.lake
 from gyre_core.lake.schema import CALLS, EXECUTIONS
 
-SUMMARY_SQL = Path(__file__).resolve().parent.parent / "data" / "sql" / "step_summary.sql"
+# the shipped query (package data), not one of $GYRE_SQL_DIR's
+SUMMARY_SQL = Path(gyre_core.lake.__file__).resolve().parent / "queries" / "step_summary.sql"
 RUN_ID = "bench"
 ROLES = ("main", "main-summary", "sub-agent", "sub-agent-summary")
 STATUSES = ("done", "timeout", "failed")

@@ -9,7 +9,7 @@ names (run names do not enter the seeds). `same_final_weights` says whether they
 `smoke` they do; on `default` one update differs between processes at float-noise level (max |Δw| ~1e-8 from
 identical batches), so later steps sample slightly different trajectories — comparable work, not identical.
 
-- **plain**: in this process, `gyre_core.steps` called directly (prepare, warm start, evaluate-before, then
+- **plain**: in this process, `gyre_core.phases` called directly (prepare, warm start, evaluate-before, then
   rollout → score → process → train → publish per step). `plain_step_s`: the wall time from the call of
   `rollout(k)` to the return of `publish(k)`.
 - **prefect**: `gyre up` in a temporary home on free ports (a real Prefect server, MLflow server, one worker),
@@ -50,26 +50,26 @@ def _mean(xs: list[float]) -> float:
 
 
 def _plain(preset: str, overrides: list[str]) -> dict:
-    from gyre_core import report, steps
+    from gyre_core import phases, report
     from gyre_core.config import load_config
     from gyre_core.run import RunDir
 
     cfg = load_config(preset, overrides)
-    run_dir = steps.prepare(cfg)
-    steps.tracker(RunDir.open(run_dir))      # the MLflow run, opened up front as the flow's prepare task does
+    run_dir = phases.prepare(cfg)
+    phases.run_objects.tracker(RunDir.open(run_dir))      # the MLflow run, opened up front as the flow's prepare task does
     t0 = time.time()
-    steps.warm_start(run_dir)
+    phases.warm_start(run_dir)
     warm_s = time.time() - t0
-    steps.evaluate(run_dir, "before")
+    phases.evaluate(run_dir, "before")
     n = cfg.rl.steps
     walls = []
     for k in range(n):
         t0 = time.time()
-        steps.rollout(run_dir, k)
-        steps.score(run_dir, k)
-        steps.process(run_dir, k)
-        steps.train(run_dir, k)
-        steps.publish(run_dir, k)
+        phases.rollout(run_dir, k)
+        phases.score(run_dir, k)
+        phases.process(run_dir, k)
+        phases.train(run_dir, k)
+        phases.publish(run_dir, k)
         walls.append(time.time() - t0)
     inner = [report.step_row(run_dir, k)["step_s"] for k in range(n)]
     return {"run_dir": run_dir, "step_walls": walls, "inner": inner, "warm_start_s": warm_s}
@@ -82,7 +82,7 @@ def _prefect(preset: str, overrides: list[str], n: int, home: Path, run_dir: str
     from prefect.settings import PREFECT_API_URL, temporary_settings
 
     from gyre_core import report
-    from gyre_core.trainer.engine import _free_port
+    from gyre_core.trainer.trainer import _free_port
     from gyre_ops.stack import StackSpec, down, up
 
     spec = StackSpec(home=home, prefect_port=_free_port(), mlflow_port=_free_port())

@@ -81,7 +81,7 @@ def _time(trainer, parts, norm, repeats):
 
 def packed_vs_flat(branches, norm, *, max_tokens=8192, repeats=3, seed=0) -> dict:
     """The production Trainer on the same branches, flattened (length-bucketed) and packed."""
-    from gyre_core.trainer.engine import Trainer
+    from gyre_core.trainer.trainer import Trainer
 
     trees = pack_branches(branches, max_tokens=max_tokens)
     out = {k: v for k, v in packing_stats(branches, trees).items() if k != "recompute_ratio"}
@@ -101,7 +101,7 @@ def packed_vs_flat(branches, norm, *, max_tokens=8192, repeats=3, seed=0) -> dic
 
 def jmax_time_ratios(seed=0, repeats=2) -> dict:
     from gyre_core.processor.synthetic import synthetic_executions
-    from gyre_core.trainer.engine import Trainer
+    from gyre_core.trainer.trainer import Trainer
 
     recs = synthetic_executions(16, 12_000, turns=60, branching=(0.15, 3), compaction=4096, sub_agents=2,
                                 group_size=8, group_fork=0.6, vocab=MODEL_DIMS["vocab_size"], seed=seed)

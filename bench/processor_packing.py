@@ -238,7 +238,7 @@ def bench_packing(G: int = 8, K: int = 4, fork_turns: tuple[int, ...] = (10, 14,
                   with_exact: bool = True) -> dict:
     """All figures as one flat dict (see the module doc); `with_exact=False` skips the exactness part
     (it runs on the CPU in float64, slow for wide models)."""
-    from gyre_core.trainer.engine import Trainer
+    from gyre_core.trainer.trainer import Trainer
 
     if threads:
         torch.set_num_threads(threads)

@@ -17,7 +17,7 @@ def cell_agent(args: list[str], key_block: str) -> int:
     """Serve one cell until the coordinator says stop.
 
     Args:
-        args: the agent's command line (`python -m gyre_core.elastic.cells ARGS`): cell, coordinator, mode.
+        args: the agent's command line (`python -m gyre_core.elastic.agent ARGS`): cell, coordinator, mode.
         key_block: the Secret block holding the key the coordinator accepts.
     """
     return serve_cell(args, Secret.load(key_block).get())

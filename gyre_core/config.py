@@ -378,7 +378,7 @@ class GyreConfig(_Section):
 
 def apply_threads(cfg: GyreConfig) -> None:
     """Set torch's intra-op threads from `run.threads` (0 leaves torch's default). Called where a run's
-    work starts (`steps.prepare`, `checkpoint_eval.evaluate_checkpoint`), so every entry — the CLI, a
+    work starts (`phases.prepare`, `phases.checkpoint.evaluate_checkpoint`), so every entry — the CLI, a
     worker's flow run — honours it."""
     if cfg.run.threads:
         import torch

@@ -7,19 +7,19 @@ import time
 from pathlib import Path
 
 from .evaluation import paired
-from .run import RunDir
+from .run import RunDir, eval_marker, publish_marker, step_marker
 
 
 def summarize(run_dir: str, started_at: float | None = None) -> dict:
     """Collect the run's figures from its markers; write summary.json and the reward curve; log both."""
     from .evaluation import EvalResult
-    from .steps import latest_version, tracker
+    from .phases.run_objects import tracker
 
     run = RunDir.open(run_dir)
-    before, after = run.done("eval_before") or {}, run.done("eval_after") or {}
-    ctrl, ctrl_eval = run.done("control") or {}, run.done("eval_control") or {}
-    steps = latest_version(run)
-    per_step = [run.done(f"publish_{v:04d}")["metrics"] for v in range(1, steps + 1)]
+    before, after = run.done(eval_marker("before")) or {}, run.done(eval_marker("after")) or {}
+    ctrl, ctrl_eval = run.done("control") or {}, run.done(eval_marker("control")) or {}
+    steps = run.latest_version()
+    per_step = [run.done(publish_marker(v))["metrics"] for v in range(1, steps + 1)]
     ws = run.done("warm_start") or {}
 
     def ev(d: dict, mode: str) -> dict:
@@ -54,7 +54,7 @@ def summarize(run_dir: str, started_at: float | None = None) -> dict:
         if a is not None:
             summary["rl_vs_control"] = interval(c, a)
     el = run.done("elastic") or {}
-    rollouts = [run.done(f"rollout_{s:04d}") or {} for s in range(steps)]
+    rollouts = [run.done(step_marker("rollout", s)) or {} for s in range(steps)]
     if el:   # the RL phase ran on cell agents: its per-step figures are in the publish markers
         rollouts = [{"executions": m.get("rollout/executions", 0), "tokens_generated": m.get("tokens/generated", 0)}
                     for m in per_step]
@@ -89,7 +89,7 @@ def summarize(run_dir: str, started_at: float | None = None) -> dict:
     summary["paths"] = {"run_dir": str(run.path), "lake": run.cfg.lake.root, "checkpoints": str(run.ckpt),
                         "mlflow_uri": run.cfg.tracking.uri, "mlflow_run_id": t.run_id,
                         "mlflow_experiment_id": t.experiment_id, "mlflow_url": t.link()["url"],
-                        # the newest policy as an HF directory in MLflow (steps.export_policy), if logged
+                        # the newest policy as an HF directory in MLflow (phases.export.export_policy), if logged
                         "policy_uri": exported.get("uri") if exported.get("version") == steps else None}
     out = run.path / "summary.json"
     out.write_text(json.dumps(summary, indent=1))
@@ -111,15 +111,15 @@ def step_row(run_dir: str, step: int) -> dict:
 
     `policy_version` is the version the step published (it rolled out version `step`). The phase times
     are None for the elastic phase, where phases overlap; `step_s` is then the elastic mean step time."""
-    from .steps import tracker
+    from .phases.run_objects import tracker
 
     run = RunDir.open(run_dir)
-    pub = run.done(f"publish_{step + 1:04d}")
+    pub = run.done(publish_marker(step + 1))
     if pub is None:
-        raise ValueError(f"step_row: step {step} of run {run.run_id} is not published (no publish_{step + 1:04d} marker)")
+        raise ValueError(f"step_row: step {step} of run {run.run_id} is not published (no {publish_marker(step + 1)} marker)")
     m = pub["metrics"]
     elastic = "time/elastic_step_s" in m
-    ro = run.done(f"rollout_{step:04d}") or {}
+    ro = run.done(step_marker("rollout", step)) or {}
     phase_s = {k: None if elastic else m.get(f"time/{k}_s", 0.0) for k in PHASES}
     t = tracker(run)
 

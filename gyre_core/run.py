@@ -1,4 +1,4 @@
-"""A run's directory, its completion markers, and the objects its steps share within one process.
+"""A run's directory, its completion markers, the names of what it writes, and a per-process cache.
 
     data/runs/<run_id>/
         config.yaml            resolved config (the run is reopened from it)
@@ -10,7 +10,8 @@
         markers/<name>.json    completion markers: a step is done iff its marker exists
 
 Every step is idempotent: it looks at its marker first and returns what it produced before. Models,
-engines and trainers are cached per process so consecutive Prefect tasks do not reload them.
+engines and trainers are cached per process so consecutive Prefect tasks do not reload them
+(`gyre_core.phases.run_objects`). The names of markers and lake parts are made here and nowhere else.
 """
 from __future__ import annotations
 
@@ -24,6 +25,58 @@ import yaml
 from .config import ConfigError, GyreConfig
 
 _CACHE: dict[tuple[str, str], object] = {}
+
+CONTROL_VERSION = -3   # policy_version recorded for the supervised-only control (not on the RL lineage)
+
+
+# -- names: every marker and lake part a run writes ---------------------------------------------------
+def step_marker(phase: str, step: int) -> str:
+    """`rollout_0003`: the marker of one phase (rollout, score, process, train) of RL step `step`."""
+    return f"{phase}_{step:04d}"
+
+
+def publish_marker(version: int) -> str:
+    """`publish_0004`: policy version `version` is published (by RL step `version` − 1)."""
+    return f"publish_{version:04d}"
+
+
+def ckpt_tag(version: int) -> str:
+    """The DeepSpeed checkpoint tag (`ckpt/<tag>/`) of policy version `version`; also its weights' file stem."""
+    return f"v{version}"
+
+
+def eval_marker(label: str) -> str:
+    return f"eval_{label}"
+
+
+STEP_PART_PREFIX = "step="
+
+
+def step_part(step: int) -> str:
+    """The lake part of an RL step's executions (negative steps too: `step=-1`)."""
+    return f"{STEP_PART_PREFIX}{int(step)}"
+
+
+def score_part(step: int) -> str:
+    return f"score={int(step)}"
+
+
+def process_part(step: int) -> str:
+    return f"process={int(step)}"
+
+
+def eval_part(label: str) -> str:
+    """The lake part of a run's own evaluation `label` (before, after, control)."""
+    return f"eval-{label}"
+
+
+def checkpoint_eval_names(label: str) -> tuple[str, str]:
+    """(lake run id, part) of a checkpoint's evaluation under `label` (`gyre evaluate --label`)."""
+    return f"eval-{label}", f"eval={label}"
+
+
+DEMOS_PART = "demos"                    # the warm start's demonstrations
+CONTROL_DEMOS_PART = "control-demos"    # the control's expert runs of the RL tasks (eval.control_rl_tasks)
 
 
 class CheckpointError(RuntimeError):
@@ -76,6 +129,13 @@ class RunDir:
         _atomic_write(self.marker(name), json.dumps(payload, indent=1, default=float))
         return payload
 
+    def latest_version(self) -> int:
+        """Newest published policy version: 0 is the warm start, v is the result of RL step v−1."""
+        v = 0
+        while self.done(publish_marker(v + 1)) is not None:
+            v += 1
+        return v
+
     # -- paths ----------------------------------------------------------------------------------
     @property
     def policy0(self) -> Path:
@@ -96,7 +156,7 @@ class RunDir:
     def weights_uri(self, version: int | str) -> str:
         """Published weights of RL policy `version` (an int), or of a named side policy ("control")."""
         root = self.cfg.trainer.publish_root or str(self.path / "weights")
-        name = f"v{version}" if isinstance(version, int) else version
+        name = ckpt_tag(version) if isinstance(version, int) else version
         return f"{root.rstrip('/')}/{name}.safetensors"
 
     def batch_path(self, step: int) -> Path:

@@ -7,7 +7,7 @@ The coordinator (inside the `elastic-rl` task) creates one flow run of the `cell
 cell, on queue `rollout` of the work pool (every cell starts rolling out), as a subflow of that task.
 A cell worker picks it up (`gyre worker --queue rollout --queue train --devices 0,1 --limit 1`: one cell
 per device set, with that set as CUDA_VISIBLE_DEVICES), and the flow run *is* the cell's long-lived agent
-process: it runs the same plain agent command (`gyre_core.elastic.cells`) and dials back to the
+process: it runs the same plain agent command (`gyre_core.elastic.agent`) and dials back to the
 coordinator at `elastic.coordinator_host`. The connection key travels in a Prefect Secret block
 (`gyre-cell-key-<run id>`, deleted when the run ends), never in the parameters the UI shows.
 
@@ -170,10 +170,10 @@ class PrefectCellLauncher:
 def serve_cell(args: list[str], key: str) -> int:
     """Run the cell agent in this process (the `cell-agent` flow run's body): the plain agent command
     with its key in the environment; raises when the agent exits non-zero, so the flow run fails."""
-    from gyre_core.elastic import cells
+    from gyre_core.elastic import agent
 
     os.environ["GYRE_CELL_KEY"] = key
-    rc = cells.main(list(args))
+    rc = agent.main(list(args))
     if rc != 0:
         raise RuntimeError(f"the cell agent exited with status {rc}")
     return rc

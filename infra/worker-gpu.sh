@@ -81,7 +81,7 @@ for devs in "${DEVICE_SETS[@]}"; do
     echo "worker-gpu.sh: a worker for devices $devs is already running (pid $(cat "$pidfile")); stop it first" >&2
     exit 2
   fi
-  "$PY" -m gyre_core.cli worker --pool "$POOL" "${QUEUE_ARGS[@]}" --devices "$devs" --name "$PREFIX" --dry-run \
+  "$PY" -m gyre_cli worker --pool "$POOL" "${QUEUE_ARGS[@]}" --devices "$devs" --name "$PREFIX" --dry-run \
     > /dev/null || exit $?
 done
 
@@ -91,7 +91,7 @@ for devs in "${DEVICE_SETS[@]}"; do
   t=$(tag "$devs")
   log=$LOG_DIR/worker-$t.log
   echo "=== $(date -u +%Y-%m-%dT%H:%M:%SZ) start devices=$devs pool=$POOL queues=$QUEUES" >> "$log"
-  nohup "$PY" -m gyre_core.cli worker --pool "$POOL" "${QUEUE_ARGS[@]}" --devices "$devs" --name "$PREFIX" \
+  nohup "$PY" -m gyre_cli worker --pool "$POOL" "${QUEUE_ARGS[@]}" --devices "$devs" --name "$PREFIX" \
     >> "$log" 2>&1 < /dev/null &
   echo $! > "$LOG_DIR/worker-$t.pid"
   PIDS+=("$!")

@@ -2,7 +2,7 @@
 and the links between the flow run and the run's one MLflow run.
 
 Plain helpers, called inside the tasks of `tasks.rl` (artifacts attach to the task run and its flow run).
-The figures come from `gyre_core.report`; the Prefect ids go to `gyre_core.steps.tag_run` as plain strings.
+The figures come from `gyre_core.report`; the Prefect ids go to `gyre_core.phases.tag_run` as plain strings.
 """
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import re
 from prefect.artifacts import create_link_artifact, create_markdown_artifact, create_table_artifact
 from prefect.runtime import deployment, flow_run
 
-from gyre_core import report, steps
+from gyre_core import phases, report
 
 
 def artifact_key(*parts: object) -> str:
@@ -25,7 +25,7 @@ def link_run(run_dir: str) -> dict[str, str]:
     Gyre run in `prefect.flow_run_ids`), and link back from Prefect: a link artifact `<run-id>-mlflow`
     and the flow-run tags `gyre-run:<run id>`, `mlflow-run:<mlflow run id>`."""
     fid = str(flow_run.id) if flow_run.id else "none"
-    info = steps.tag_run(run_dir, {"prefect.flow_run_id": fid, "prefect.flow_run_name": flow_run.name or "none",
+    info = phases.tag_run(run_dir, {"prefect.flow_run_id": fid, "prefect.flow_run_name": flow_run.name or "none",
                                    "prefect.deployment": deployment.name or "none",
                                    "prefect.flow_run_url": flow_run.ui_url or "none"},
                          append={"prefect.flow_run_ids": fid})

@@ -10,13 +10,17 @@ Modules, bottom up:
                  (long-tailed calls per execution with a timeout cap, environment latency, training cost).
 - `controller` — the role policies (`colocated`, `async`, `elastic` waterlevel) as pure functions of
                  the counters (dispatched d, finished f, capacity); every decision is a `Decision` record.
+- `messages`   — what the coordinator and its cell agents say to each other, one typed record per message.
 - `router`     — binds executions to rollout cells (≤ capacity each), reroutes calls off a cell that leaves
                  rollout or dies, carrying the tokens so far; versions are recorded per token.
 - `stream`     — the micro-step queue finished executions stream into; training cells claim micro-steps,
                  gradient accumulation keeps the update equal to the non-streamed one; staleness bound.
-- `cells`      — the cell agent process (`python -m gyre_core.elastic.cells`): emulated or real device work.
-- `work`       — what runs on the fleet: the emulated workload, or the real harness, env and model.
-- `runtime`    — the coordinator: starts the agents, applies the policy, feeds micro-steps, measures.
+- `agent`      — the cell agent process (`python -m gyre_core.elastic.agent`): emulated or real device work.
+- `work`       — what runs on the fleet (the `Work` protocol) and its emulated kind; the real harness, env
+                 and model are `gyre_core.phases.elastic.HarnessWork`, above this package.
+- `connections` — the coordinator's side of the agents: starts them (a launcher), carries their messages
+                 (a reader and a writer thread per cell), stops them.
+- `runtime`    — the coordinator: applies the policy, feeds micro-steps, loses cells, measures.
 - `sim`        — a discrete-event model of a fleet running the same policies (`gyre sim`); `profiles`
                  holds its named fleets (laptop, the paper's 122B and 2.4T runs).
 - `timeline`   — the role-timeline picture (cells × time, coloured by role, switch marks).

@@ -22,7 +22,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable
 
-from .cells import CallRequest
+from .messages import CallRequest, Gen, Release, ToCell
 
 
 class RouterAborted(RuntimeError):
@@ -64,7 +64,7 @@ class _Cell:
 
 
 class Router:
-    def __init__(self, capacity: int, send: Callable[[int, tuple], None],
+    def __init__(self, capacity: int, send: Callable[[int, ToCell], None],
                  on_busy: Callable[[int, bool], None] | None = None):
         self.capacity, self._send, self._on_busy = capacity, send, on_busy
         self._lock = threading.Lock()
@@ -113,7 +113,7 @@ class Router:
         with self._lock:
             cell = self._key_cell.pop(key, None)
             if cell is not None and self._cells[cell].open:
-                self._send(cell, ("release", key))
+                self._send(cell, Release(key))
 
     def release(self, execution_id: str) -> None:
         """The execution finished: free its slot."""
@@ -223,5 +223,5 @@ class Router:
             st.inflight[c.call_id] = c
             c.cell = cell
             self._key_cell[c.req.key] = cell
-            self._send(cell, ("gen", c.call_id, c.remaining()))
+            self._send(cell, Gen(c.call_id, c.remaining()))
         self._waiting = still

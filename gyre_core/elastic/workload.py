@@ -18,6 +18,8 @@ import math
 import random
 from dataclasses import asdict, dataclass, field, fields
 
+from ..seeds import stream
+
 
 @dataclass(slots=True, frozen=True)
 class Workload:
@@ -55,7 +57,7 @@ class Workload:
 
     def calls(self, step: int) -> list[int]:
         """Model calls of each execution of burst `step`, ≥ 1 and ≤ `max_calls`."""
-        rng = random.Random(self.seed * 1_000_003 + step)
+        rng = random.Random(stream(self.seed, step))
         out = []
         for _ in range(self.executions_per_step):
             if self.trace:

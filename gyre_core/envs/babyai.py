@@ -71,6 +71,7 @@ from minigrid.envs.babyai.core.verifier import (
 )
 
 from gyre_core.envs.protocol import Score, StepResult
+from gyre_core.seeds import stream
 
 ACTIONS = ("left", "right", "forward", "pickup", "drop", "toggle", "done")  # minigrid's indices 0..6
 _ACTION_INDEX = {a: i for i, a in enumerate(ACTIONS)}
@@ -185,7 +186,7 @@ class BabyAIEnv:
         env = BabyAIEnv(self.name, self._max_steps)
         yield env.instructions()
         for e in range(episodes):
-            rng = random.Random(seed * 1_000_003 + e)
+            rng = random.Random(stream(seed, e))
             yield env.reset(seed + e)
             yield env.mission()
             yield env.step(rng.choice(("go", "north", "jump", "pick up", "?", ""))).observation

@@ -8,7 +8,8 @@ Views: one per lake table (`executions`, `calls`, `scores`, `train_tokens` and t
 exactly the files that manifests list (an uncommitted part is invisible), `tokens` (calls unnested: one row
 per completion token with its log-prob and policy version), `execution_content` (a content hash per
 execution, `gyre_core.lake.dedup`) and `steps` (one row per committed part, from the manifests alone).
-Named queries live in `data/sql/NAME.sql` (`named_query`, `named_queries`; `gyre sql --query NAME`).
+Named queries live in `gyre_core/lake/queries/NAME.sql`, package data (`named_query`, `named_queries`;
+`gyre sql --query NAME`); $GYRE_SQL_DIR points them at another directory.
 Read-only is enforced by DuckDB itself, never by filtering SQL text:
   * the views live in a throwaway database file opened with `read_only=True` (CREATE/INSERT/ATTACH fail);
   * DuckDB sees the lake only through `gyrelake://`, a registered fsspec filesystem that serves the
@@ -315,9 +316,10 @@ def _wrap(e: duckdb.Error) -> SqlError:
 
 
 def sql_dir() -> Path:
-    """Where named queries live: $GYRE_SQL_DIR, else `data/sql/` of the repository holding `gyre_core/`."""
+    """Where named queries live: $GYRE_SQL_DIR, else `queries/` beside this module (package data, so an
+    installed wheel has them too)."""
     env = os.environ.get(SQL_DIR_ENV)
-    return Path(env) if env else Path(__file__).resolve().parents[2] / "data" / "sql"
+    return Path(env) if env else Path(__file__).resolve().parent / "queries"
 
 
 def _description(text: str) -> str:
@@ -336,7 +338,7 @@ def named_queries() -> dict[str, str]:
 
 
 def named_query(name: str) -> str:
-    """The SQL text of `data/sql/<name>.sql`; SqlError (naming the known ones) when there is none."""
+    """The SQL text of `<name>.sql` in `sql_dir()`; SqlError (naming the known ones) when there is none."""
     path = sql_dir() / f"{name}.sql"
     if not _QUERY_NAME.match(name) or not path.is_file():
         known = ", ".join(named_queries()) or f"none in {sql_dir()}"

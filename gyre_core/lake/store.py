@@ -48,6 +48,7 @@ from fsspec.implementations.local import LocalFileSystem
 
 from gyre_core.lake.schema import ADDED_IN, METADATA_KEY, SCHEMAS, read_executions
 from gyre_core.records import SCHEMA_VERSION, ExecutionRecord
+from gyre_core.run import step_part  # noqa: F401  (the lake's part names are the run's)
 
 MANIFEST = "_MANIFEST.json"
 MIN_READ_VERSION = 1                           # the oldest lake schema version this code reads
@@ -67,11 +68,6 @@ class LakeVersionError(ValueError):
 
 def _warn(msg: str) -> None:
     print(f"gyre lake: {msg}", file=sys.stderr, flush=True)
-
-
-def step_part(step: int) -> str:
-    """The part label of an RL step (negative steps too: `step=-1`)."""
-    return f"step={int(step)}"
 
 
 def _check_name(kind: str, name: str) -> str:

@@ -57,6 +57,13 @@ def reward_of(success: bool, partial: float, partial_weight: float) -> float:
     return 1.0 if success else partial_weight * partial
 
 
+def assign_reward(record: ExecutionRecord, partial_weight: float) -> float:
+    """Set (and return) a finished execution's reward from what it left behind; a failed one gets 0
+    (it is excluded from training; the reward only keeps the column defined)."""
+    record.reward = reward_of(record.success, record.partial, partial_weight) if record.status != "failed" else 0.0
+    return record.reward
+
+
 def group_advantages(rewards: dict[str, float], groups: dict[str, list[str]], norm: str,
                      multiplicity: dict[str, int] | None = None, std_floor: float = 0.0) -> dict[str, float]:
     """A_i = r_i − mean(group) (÷ max(group std, `std_floor`) when norm == "std"; a constant group gets 0).

@@ -1,11 +1,11 @@
-"""`bench/rl_seeds.py`: RL vs control pooled over independent runs, against numbers worked by hand."""
+"""`bench/experiments/rl_seeds.py`: RL vs control pooled over independent runs, against numbers worked by hand."""
 import json
 import math
 
 import pytest
 import yaml
 
-from bench.rl_seeds import compare_runs, config_differences, load_run, main
+from bench.experiments.rl_seeds import compare_runs, config_differences, load_run, main
 from gyre_core.evaluation import Z95
 
 SEEDS = [10, 11, 12, 13]

@@ -56,7 +56,7 @@ def test_every_field_has_a_docstring():
 
 def test_cli_config_error_exits_2_and_writes_nothing(tmp_path):
     out = tmp_path / "runs"
-    proc = subprocess.run([sys.executable, "-m", "gyre_core.cli", "train", "--preset", "smoke", "--set", "rl.lr=0",
+    proc = subprocess.run([sys.executable, "-m", "gyre_cli", "train", "--preset", "smoke", "--set", "rl.lr=0",
                            "--set", f"run.out_root={out}", "--set", f"lake.root={tmp_path / 'lake'}"],
                           capture_output=True, text=True)
     assert proc.returncode == 2

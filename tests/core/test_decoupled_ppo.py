@@ -12,7 +12,7 @@ import torch
 
 from bench.processor_packing import exact_float64
 from gyre_core.processor.batch import TrainSequence
-from gyre_core.trainer.engine import Trainer
+from gyre_core.trainer.trainer import Trainer
 from gyre_core.trainer.losses import Collated, collate, decoupled_ppo_loss, ppo_clip_loss, token_logprobs
 from gyre_core.trainer.packing import pack_branches
 from gyre_core.trainer.tree_attention import enable_tree_attention

@@ -279,7 +279,7 @@ def model():
 
 
 def _loss_and_grads(model, batch):
-    from gyre_core.trainer.engine import Trainer
+    from gyre_core.trainer.trainer import Trainer
 
     trainer = Trainer(copy.deepcopy(model), lr=1e-3, zero_stage=1, grad_clip=1e9)
     st = trainer.micro_step(batch.sequences, batch.normaliser, objective="ppo", clip_low=0.2, clip_high=0.28,
@@ -371,15 +371,15 @@ def _step_records(run_id):
 
 @pytest.mark.parametrize("mode", ["flat", "tree"])
 def test_score_and_process_steps_collapse_duplicates(tmp_path, mode):
-    from gyre_core import steps
+    from gyre_core import phases
 
     out = {}
     for dedup in (True, False):
         run = _run(tmp_path, f"r-{mode}-{dedup}", f"processor.mode={mode}", f"processor.dedup={str(dedup).lower()}")
         _write(run.cfg.lake.root, _step_records(run.run_id), run=run.run_id, part="step=0")
-        mark = steps.score(str(run.path), 0)
+        mark = phases.score(str(run.path), 0)
         rows = {r["execution_id"]: r for r in Lake(run.cfg.lake.root).read("scores", run.run_id).to_pylist()}
-        path = steps.process(str(run.path), 0)
+        path = phases.process(str(run.path), 0)
         out[dedup] = (mark, rows, run.done("process_0000"), torch.load(path, weights_only=False))
 
     mark, rows, pmark, batch = out[True]
@@ -409,4 +409,4 @@ def test_score_and_process_steps_collapse_duplicates(tmp_path, mode):
     assert batch0.normaliser == 7.0
     # the per-step metrics carry the number collapsed (to MLflow and the summary)
     run = _run(tmp_path, f"r-{mode}-True", f"processor.mode={mode}", "processor.dedup=true")
-    assert steps.step_metrics(run, 0)["dedup/collapsed"] == 3
+    assert phases.rl_step.step_metrics(run, 0)["dedup/collapsed"] == 3

@@ -8,7 +8,10 @@ import pytest
 
 from gyre_core.config import ConfigError, ElasticConfig, load_config
 from gyre_core.elastic.controller import Counters
-from gyre_core.elastic.runtime import TOKENS_PER_CALL, Coordinator, emulated_token, run_elastic
+from gyre_core.elastic.agent import emulated_token
+from gyre_core.elastic.messages import CallRequest, Gen, Release
+from gyre_core.elastic.runtime import Coordinator, run_elastic
+from gyre_core.elastic.work import TOKENS_PER_CALL
 from gyre_core.elastic.workload import Workload
 
 FAST = Workload(name="test", executions_per_step=12, steps=3, calls_median=6, calls_sigma=0.6, max_calls=14,
@@ -165,7 +168,6 @@ def test_an_aborted_router_releases_every_waiting_execution():
     """A call waiting for a slot, one in flight on a cell, and one made afterwards all raise RouterAborted."""
     import threading
 
-    from gyre_core.elastic.cells import CallRequest
     from gyre_core.elastic.router import Router, RouterAborted
 
     sent = []
@@ -183,7 +185,7 @@ def test_an_aborted_router_releases_every_waiting_execution():
         th.start()
     while len(sent) < 1:              # "a" is in flight on cell 0; "b" waits (capacity 1)
         time.sleep(0.01)
-    assert [m[0] for _, m in sent] == ["gen"] and router.inflight(0) == 1
+    assert [type(m) for _, m in sent] == [Gen] and router.inflight(0) == 1
     router.abort("the run failed")
     for th in threads:
         th.join(5)
@@ -211,7 +213,6 @@ def test_a_finished_context_is_released_on_the_cell_that_served_it_last():
     rollout (its caches went with the switch) or that was never served sends nothing."""
     import threading
 
-    from gyre_core.elastic.cells import CallRequest
     from gyre_core.elastic.router import Router
 
     sent = []
@@ -222,18 +223,19 @@ def test_a_finished_context_is_released_on_the_cell_that_served_it_last():
     th.start()
     while not sent:
         time.sleep(0.01)
-    (cell, (kind, call_id, _)), = sent
-    assert (cell, kind) == (0, "gen")
+    (cell, gen), = sent
+    assert cell == 0 and gen == Gen(gen.call_id, CallRequest("x/c0", [1, 2], 4))
     router.open(1)
     router.close(0)
-    router.on_done(0, call_id, [5], [-0.1], [0], "cancelled")       # 1 of 4 tokens, then rerouted
-    assert sent[-1][0] == 1 and sent[-1][1][0] == "gen" and sent[-1][1][2].max_new_tokens == 3
-    router.on_done(1, sent[-1][1][1], [6, 7, 8], [-0.2] * 3, [1] * 3, "length")
+    router.on_done(0, gen.call_id, [5], [-0.1], [0], "cancelled")   # 1 of 4 tokens, then rerouted
+    cell, again = sent[-1]                     # the rest, with the token so far in the prompt
+    assert cell == 1 and again == Gen(again.call_id, CallRequest("x/c0", [1, 2, 5], 3))
+    router.on_done(1, again.call_id, [6, 7, 8], [-0.2] * 3, [1] * 3, "length")
     th.join(5)
     assert out["c"].ids == [5, 6, 7, 8] and out["c"].versions == [0, 1, 1, 1]
     n = len(sent)
     router.forget("x/c0")
-    assert sent[n:] == [(1, ("release", "x/c0"))]
+    assert sent[n:] == [(1, Release("x/c0"))]
     router.forget("x/c0")                      # once only
     router.forget("never-served/c0")
     assert len(sent) == n + 1
@@ -241,7 +243,7 @@ def test_a_finished_context_is_released_on_the_cell_that_served_it_last():
     th.start()
     while len(sent) < n + 2:
         time.sleep(0.01)
-    router.on_done(1, sent[-1][1][1], [9], [-0.3], [1], "length")
+    router.on_done(1, sent[-1][1].call_id, [9], [-0.3], [1], "length")
     th.join(5)
     router.close(1)                            # cell 1 leaves rollout: its caches go with the switch
     router.forget("y/c0")
@@ -251,7 +253,7 @@ def test_a_finished_context_is_released_on_the_cell_that_served_it_last():
 def test_gpu_slices_give_each_cell_its_own_gpus_and_share_round_robin_when_told_there_are_more(monkeypatch):
     import torch
 
-    from gyre_core.elastic.runtime import _gpu_slices
+    from gyre_core.elastic.connections import _gpu_slices
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
@@ -296,3 +298,61 @@ def test_a_landing_that_fails_stops_the_run_with_its_message():
 
     with pytest.raises(RuntimeError, match="landing version 2 failed: OSError: the lake is full"):
         run_elastic(ElasticConfig(cells=2, mode="emulated", policy="elastic", capacity=4), FAST, on_version=on_version)
+
+
+def test_every_message_crosses_a_connection_unchanged():
+    """The records are pickled by multiprocessing.connection, as between the coordinator and an agent."""
+    from multiprocessing import Pipe
+
+    import numpy as np
+
+    from gyre_core.elastic import messages as m
+
+    req = CallRequest("e7/c0", [1, 2, 3], 5, 0.7, 0.01)
+    sent = [m.Gen(4, req), m.Cancel(4), m.Role("train", 0.25), m.Micro(9, 0.5), m.Reduce(2, 3),
+            m.Optim(2, 0.1, 3), m.Optim(2, 0.1), m.UseArrays(), m.Weights(3), m.Release("e7/c0"), m.BecomeCore(),
+            m.Stop(), m.Hello(1, 4242, "emulated"), m.Beat(1.5e9, 0.25),
+            m.Done(4, [7, 8], [-0.5, -0.25], [2, 3], "length"), m.RoleDone("rollout", 0.125), m.MicroDone(9, 0.5, None, {"tokens": 12.0}), m.OptimDone(3, 0.2, None),
+            m.OptimFailed(2, "cell 1 lost")]
+    a, b = Pipe()
+    for msg in sent:
+        a.send(msg)
+        got = b.recv()
+        assert type(got) is type(msg) and got == msg
+    assert sent[6].t == 1                      # an update without a reduce: the core alone
+    grads = m.Grads({"w": np.arange(6, dtype=np.float32).reshape(2, 3)})
+    a.send(grads)
+    got = b.recv()
+    assert list(got.grads) == ["w"] and got.grads["w"].tolist() == [[0, 1, 2], [3, 4, 5]]
+
+
+def test_an_agent_answers_each_message_with_its_record():
+    """The agent's dispatch on the message classes, in-process over a pipe, with the emulated device."""
+    from multiprocessing import Pipe
+
+    from gyre_core.elastic import messages as m
+    from gyre_core.elastic.agent import Agent, EmulatedDevice
+
+    here, there = Pipe()
+    agent = Agent(2, there, EmulatedDevice())
+    assert agent._handle(m.Gen(1, CallRequest("k", [0, 1], 3, token_s=0.0)))
+    assert agent._handle(m.Role("train", 0.0))      # drains the call it holds: it goes back cancelled
+    assert here.recv() == m.Done(1, [], [], [], "cancelled")
+    role_done = here.recv()
+    assert isinstance(role_done, m.RoleDone) and role_done.role == "train"
+    assert agent._handle(m.Gen(2, CallRequest("k", [0, 1], 3)))   # raced with the switch: handed back
+    assert here.recv() == m.Done(2, [], [], [], "cancelled")
+    assert agent._handle(m.Micro(5, 0.0))
+    done = here.recv()
+    assert (type(done), done.ms_id, done.grads, done.stats) == (m.MicroDone, 5, None, {})
+    assert agent._handle(m.Optim(0, 0.0))
+    done = here.recv()
+    assert (type(done), done.version, done.reduce_s) == (m.OptimDone, 1, None)   # it published v1
+    assert agent._handle(m.Role("rollout", 0.0)) and isinstance(here.recv(), m.RoleDone)
+    assert agent._handle(m.Gen(3, CallRequest("k", [0, 1], 3, token_s=0.0)))
+    finished = agent.device.advance(list(agent.gens.values()), time.monotonic())
+    assert [g.ids for g in finished] == [[emulated_token(2), emulated_token(3), emulated_token(4)]]
+    assert [g.versions for g in finished] == [[1, 1, 1]]   # made with the weights it published
+    assert not agent._handle(m.Stop())
+    with pytest.raises(ValueError, match="unknown message"):
+        agent._handle(("gen", 4, None))         # the old tuples are not messages any more

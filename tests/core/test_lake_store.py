@@ -277,7 +277,7 @@ def test_missing_roots_are_refused(tmp_path, s3_server):
 
 
 def test_lake_command(tmp_path, capsys):
-    from gyre_core.cli import main
+    from gyre_cli.main import main
 
     root = str(tmp_path / "lake")
     lake = Lake(root)
@@ -447,7 +447,7 @@ def test_retention_deletes_only_old_runs(tmp_path):
 
 
 def test_lake_retain_command(tmp_path, capsys):
-    from gyre_core.cli import main
+    from gyre_cli.main import main
 
     root = str(tmp_path / "lake")
     lake = Lake(root)

@@ -296,7 +296,7 @@ def test_a_tree_enabled_model_runs_plain_batches_exactly_as_sdpa(model64):
 
 def test_trainer_micro_step_on_packed_trees_matches_per_branch_sequences():
     from gyre_core.model import build_tiny_model, train_tokenizer
-    from gyre_core.trainer.engine import Trainer
+    from gyre_core.trainer.trainer import Trainer
 
     tok = train_tokenizer(["go left go right pick up the red ball"] * 20, vocab_size=280)
     model = build_tiny_model(tok, hidden_size=32, num_layers=2, num_heads=2, num_kv_heads=1, ffn_size=64,

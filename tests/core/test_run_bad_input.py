@@ -2,7 +2,7 @@
 environment targets, corrupt checkpoints on resume."""
 import pytest
 
-from gyre_core import steps
+from gyre_core import phases
 from gyre_core.config import ConfigError, load_config
 from gyre_core.lake.sql import connect
 from gyre_core.run import CheckpointError
@@ -22,9 +22,9 @@ def _cfg(tmp, *extra):
 def finished_run(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("run")
     cfg = _cfg(tmp)
-    run_dir = steps.prepare(cfg)
-    steps.warm_start(run_dir)
-    for fn in (steps.rollout, steps.score, steps.process, steps.train, steps.publish):
+    run_dir = phases.prepare(cfg)
+    phases.warm_start(run_dir)
+    for fn in (phases.rollout, phases.score, phases.process, phases.train, phases.publish):
         fn(run_dir, 0)
     return tmp, cfg, run_dir
 
@@ -45,14 +45,14 @@ def test_an_environment_exception_fails_one_execution_with_its_reason(finished_r
 def test_missing_model_path_is_refused_before_anything_is_written(tmp_path):
     cfg = _cfg(tmp_path, f"model.path={tmp_path}/no-such-model")
     with pytest.raises(ConfigError, match=r"^model.path: .*no-such-model"):
-        steps.prepare(cfg)
+        phases.prepare(cfg)
     assert not (tmp_path / "runs").exists()
 
 
 def test_unknown_environment_target_is_a_config_error(tmp_path):
     cfg = _cfg(tmp_path, "env.target=gyre_core.envs.scripted:NoSuchEnv")
     with pytest.raises(ConfigError, match=r"^env.target: .*NoSuchEnv"):
-        steps.prepare(cfg)
+        phases.prepare(cfg)
 
 
 def test_corrupt_checkpoint_stops_a_resume_before_any_rollout(finished_run):
@@ -63,7 +63,7 @@ def test_corrupt_checkpoint_stops_a_resume_before_any_rollout(finished_run):
     try:
         weights.write_bytes(data[: len(data) // 2])
         with pytest.raises(CheckpointError, match=r"v1\.safetensors are unreadable"):
-            steps.prepare(cfg)
+            phases.prepare(cfg)
     finally:
         weights.write_bytes(data)
     optim = next((run / "ckpt" / "v1").glob("*optim_states.pt"))
@@ -71,10 +71,10 @@ def test_corrupt_checkpoint_stops_a_resume_before_any_rollout(finished_run):
     optim.rename(aside)
     try:
         with pytest.raises(CheckpointError, match=r"ckpt/v1 is missing or incomplete"):
-            steps.prepare(cfg)
+            phases.prepare(cfg)
     finally:
         aside.rename(optim)
-    assert steps.prepare(cfg) == run_dir    # the intact run resumes
+    assert phases.prepare(cfg) == run_dir    # the intact run resumes
 
 
 def test_model_path_takes_any_hf_directory(finished_run, tmp_path):
@@ -84,7 +84,7 @@ def test_model_path_takes_any_hf_directory(finished_run, tmp_path):
 
     tmp, cfg, run_dir = finished_run
     src = RunDir.open(run_dir).warm
-    new = steps.prepare(_cfg(tmp_path, f"model.path={src}", "run.name=from-path"))
+    new = phases.prepare(_cfg(tmp_path, f"model.path={src}", "run.name=from-path"))
     m_src, t_src = load_policy(str(src))
     m_new, t_new = load_policy(str(RunDir.open(new).policy0))
     assert t_new.get_vocab() == t_src.get_vocab() and t_new.chat_template == t_src.chat_template

@@ -1,4 +1,5 @@
-"""The SQL surface of the lake: the `steps` view, the named queries in data/sql/, `gyre sql`, and refusals.
+"""The SQL surface of the lake: the `steps` view, the named queries in gyre_core/lake/queries/ (package data),
+`gyre sql`, and refusals.
 
     .venv/bin/python -m pytest tests/core/test_sql.py -q -p no:cacheprovider
 
@@ -11,12 +12,13 @@ from __future__ import annotations
 import json
 import os
 from datetime import datetime, timezone
+from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from gyre_core.cli import main
+from gyre_cli.main import main
 from gyre_core.lake import (
     SCHEMAS,
     Lake,
@@ -28,6 +30,7 @@ from gyre_core.lake import (
     run_sql,
     train_tokens_table,
 )
+from gyre_core.lake import sql as lake_sql
 from gyre_core.lake.dedup import dedup_executions
 from gyre_core.lake.sql import named_queries, named_query, sql_dir
 from gyre_core.records import CallRecord, ExecutionRecord
@@ -211,7 +214,7 @@ def test_named_queries_are_listed_with_their_header():
     with pytest.raises(SqlError, match="no named query 'nope'; known: duplicates, failure_reasons"):
         named_query("nope")
     with pytest.raises(SqlError, match="no named query"):
-        named_query("../sql/step_summary")     # a name, never a path
+        named_query("../queries/step_summary")     # a name, never a path
 
 
 def test_named_queries_on_an_empty_lake(lake_root, tmp_path):
@@ -357,6 +360,8 @@ def test_sql_dir_override(lake_root, tmp_path, monkeypatch, capsys):
     (tmp_path / "per_run.sql").write_text("-- Executions per run.\nSELECT run_id, count(*) AS n FROM executions "
                                           "GROUP BY 1 ORDER BY 1\n")
     (tmp_path / "notes.txt").write_text("not a query")
+    monkeypatch.delenv("GYRE_SQL_DIR", raising=False)
+    assert sql_dir() == Path(lake_sql.__file__).resolve().parent / "queries"   # package data, in a wheel too
     monkeypatch.setenv("GYRE_SQL_DIR", str(tmp_path))
     assert sql_dir() == tmp_path and named_queries() == {"per_run": "Executions per run."}
     assert main(["sql", "--query", "per_run", "--lake", lake_root, "--format", "csv"]) == 0

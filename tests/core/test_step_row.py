@@ -2,7 +2,9 @@
 for the step-by-step loop and for the elastic phase; `tracking.run_link`: where the MLflow UI shows a run."""
 import pytest
 
-from gyre_core import report, steps
+from gyre_core import report
+from gyre_core.phases.rl_step import step_metrics
+from gyre_core.phases.run_objects import tracker
 from gyre_core.config import load_config
 from gyre_core.run import RunDir
 from gyre_core.tracking import run_link
@@ -24,9 +26,9 @@ def test_a_loop_step_row_has_each_phase_from_its_marker(run):
     with pytest.raises(ValueError, match="step 0 of run Row_Test is not published"):
         report.step_row(str(run.path), 0)
     run.mark("publish_0001", {"uri": run.weights_uri(1),
-                              "metrics": {**steps.step_metrics(run, 0), "time/publish_s": 0.0625}})
+                              "metrics": {**step_metrics(run, 0), "time/publish_s": 0.0625}})
     row = report.step_row(str(run.path), 0)
-    t = steps.tracker(run)
+    t = tracker(run)
     assert row == {"run_id": "Row_Test", "step": 0, "policy_version": 1, "executions": 8, "success": 0.375,
                    "partial": 0.5123, "reward_mean": 0.4, "tokens_generated": 300, "tokens_trained": 250,
                    "executions_collapsed": 2, "time_rollout_s": 1.25, "time_score_s": 0.5, "time_process_s": 0.125,

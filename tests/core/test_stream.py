@@ -13,7 +13,7 @@ import torch
 
 from gyre_core.elastic.stream import MicroStepQueue, finish_step, hand_over, train_micro_step
 from gyre_core.processor.batch import TrainSequence, micro_batches
-from gyre_core.trainer.engine import Trainer
+from gyre_core.trainer.trainer import Trainer
 
 # ------------------------------------------------------------------ the queue's rules by hand
 

@@ -8,7 +8,7 @@ import torch
 
 from gyre_core.model import build_tiny_model, train_tokenizer
 from gyre_core.processor.batch import TrainSequence
-from gyre_core.trainer.engine import Trainer
+from gyre_core.trainer.trainer import Trainer
 from gyre_core.trainer.losses import collate, ppo_clip_loss, token_logprobs
 
 

@@ -8,8 +8,8 @@ import torch
 from gyre_core.config import WarmStartConfig
 from gyre_core.model import build_tiny_model, train_tokenizer
 from gyre_core.processor.batch import TrainSequence
-from gyre_core.steps import supervised_lr
-from gyre_core.trainer.engine import Trainer
+from gyre_core.phases.supervised import supervised_lr
+from gyre_core.trainer.trainer import Trainer
 
 
 

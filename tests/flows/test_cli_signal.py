@@ -17,7 +17,7 @@ def test_sigterm_stops_the_run_and_the_temporary_prefect_server_it_started(tmp_p
     env.pop("PREFECT_API_URL", None)           # the run starts its own temporary server, as on a laptop
     env["PYTHONUNBUFFERED"] = "1"
     proc = subprocess.Popen(
-        [sys.executable, "-m", "gyre_core.cli", "train", "--preset", "smoke",
+        [sys.executable, "-m", "gyre_cli", "train", "--preset", "smoke",
          "--set", f"run.out_root={tmp_path / 'runs'}", "--set", f"lake.root={tmp_path / 'lake'}",
          "--set", f"tracking.uri=sqlite:///{tmp_path / 'mlflow.db'}"],
         cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)

@@ -1,7 +1,7 @@
 """The `evaluate` and `lake-maintenance` flows under Prefect.
 
 `evaluate` must give, for a checkpoint given three ways (run directory, HF directory, `runs:/<id>/policy`
-from MLflow), exactly the per-seed outcomes the run's own `steps.evaluate` recorded for that version;
+from MLflow), exactly the per-seed outcomes the run's own `phases.evaluate` recorded for that version;
 `lake_maintenance` must delete exactly the old runs, keep the kept and recent ones, compact the rest
 without changing a query's result, and change nothing in a dry run.
 """
@@ -18,7 +18,7 @@ from mlflow.tracking import MlflowClient
 from flows.evaluate import evaluate
 from flows.lake_maintenance import lake_maintenance
 from flows.train import train
-from gyre_core.checkpoint_eval import evaluate_checkpoint
+from gyre_core.phases.checkpoint import evaluate_checkpoint
 from gyre_core.config import load_config
 from gyre_core.lake import MANIFEST, Lake, calls_table, connect, executions_table
 from gyre_core.lake.schema import SCORES
@@ -49,7 +49,7 @@ def trained(tmp_path_factory):
 def test_a_checkpoint_given_three_ways_scores_as_the_runs_own_evaluation(trained, tmp_path):
     tmp, ov = trained
     run = RunDir.open(tmp / "runs" / "evalsrc")
-    after = run.done("eval_after")                 # steps.evaluate of the newest version, inside `train`
+    after = run.done("eval_after")                 # phases.evaluate of the newest version, inside `train`
     assert after["version"] == 1
     # version 1 as an HF directory, and that directory logged to MLflow as a run's `policy/` artifacts
     model, tok = load_policy(run.policy0)
@@ -159,7 +159,7 @@ def test_a_checkpoint_that_is_not_one_fails_naming_it(trained, tmp_path, capsys)
         evaluate_checkpoint(cfg, str(tmp_path / "half"), "x")
     with pytest.raises(CheckpointError, match=re.escape("'runs:/0123456789abcdef/policy': cannot download it")):
         evaluate_checkpoint(cfg, "runs:/0123456789abcdef/policy", "x")
-    from gyre_core.cli import main
+    from gyre_cli.main import main
 
     sets = [x for o in ov for x in ("--set", o)]
     assert main(["evaluate", missing, "--preset", "smoke", *sets]) == 1

@@ -8,11 +8,11 @@ import torch
 from mlflow.tracking import MlflowClient
 
 from flows.train import train
-from gyre_core import steps
+from gyre_core import phases
 from gyre_core.lake.sql import connect
 from gyre_core.processor.batch import context_sequences
 from gyre_core.run import _CACHE as run_cache
-from gyre_core.run import RunDir
+from gyre_core.run import CONTROL_VERSION, RunDir
 from gyre_core.trainer.publish import load_weights
 
 
@@ -181,7 +181,7 @@ def test_artifact_keys_are_what_prefect_accepts():
 
 def test_resume_after_a_failed_task_skips_finished_steps(tmp_path, monkeypatch, clean_run):
     ov = _overrides(tmp_path, "resumetest")
-    real_publish = steps.publish
+    real_publish = phases.publish
     calls = {"n": 0}
 
     def flaky_publish(run_dir, step):
@@ -190,7 +190,7 @@ def test_resume_after_a_failed_task_skips_finished_steps(tmp_path, monkeypatch, 
             raise RuntimeError("injected crash while publishing step 1")
         return real_publish(run_dir, step)
 
-    monkeypatch.setattr(steps, "publish", flaky_publish)
+    monkeypatch.setattr(phases, "publish", flaky_publish)
     with pytest.raises(RuntimeError, match="injected crash"):
         train(preset="smoke", overrides=ov)
     assert calls["n"] == 2          # the task's one retry ran too
@@ -198,7 +198,7 @@ def test_resume_after_a_failed_task_skips_finished_steps(tmp_path, monkeypatch, 
     before = {p.name: json.loads(p.read_text())["marked_at"] for p in markers.glob("*.json")}
     assert "train_0001.json" in before and "publish_0002.json" not in before
 
-    monkeypatch.setattr(steps, "publish", real_publish)
+    monkeypatch.setattr(phases, "publish", real_publish)
     run_cache.clear()       # resume as a fresh process would: trainer and engine come from checkpoints
     summary = train(preset="smoke", overrides=ov)
     after = {p.name: json.loads(p.read_text())["marked_at"] for p in markers.glob("*.json")}
@@ -248,7 +248,7 @@ def test_control_spends_the_rl_wall_time_on_the_same_tasks_and_seeds(clean_run):
     before, after, control = (run.done(f"eval_{x}")["sampled"] for x in ("before", "after", "control"))
     assert control["seeds"] == before["seeds"] == after["seeds"]
     assert _q(con, "SELECT DISTINCT policy_version FROM executions WHERE execution_id LIKE '%eval-control%'") == \
-        [(steps.CONTROL_VERSION,)]
+        [(CONTROL_VERSION,)]
     # the summary's figures, recomputed from the per-seed outcomes
     n = len(control["seeds"])
     assert summary["control"]["success"] == pytest.approx(sum(control["successes"]) / n)
@@ -280,12 +280,12 @@ def test_control_with_rl_tasks_adds_expert_runs_of_exactly_the_rl_seeds(tmp_path
     (d / "config.yaml").write_text(yaml.safe_dump(cfg))
     (d / "markers" / "control.json").unlink()
     run_cache.clear()
-    ctrl = steps.control(str(d), budget_s=0.0)
+    ctrl = phases.control(str(d), budget_s=0.0)
     con = connect(str(tmp_path / "lake"), run_id="flowtest")
     rl_seeds = _q(con, "SELECT DISTINCT seed FROM executions WHERE split = 'train' ORDER BY 1")
     assert _q(con, "SELECT seed FROM executions WHERE split = 'control-demo' ORDER BY 1") == rl_seeds
     run = RunDir.open(d)
-    fresh = [r for r in steps._read_records(run, "control-demos") if r.success]
+    fresh = [r for r in phases.run_objects.read_records(run, "control-demos") if r.success]
     # the warm start's sequences plus the successful new demonstrations' contexts
     assert ctrl["demos"] == len(rl_seeds) and len(fresh) >= 1
     assert ctrl["sequences"] == run.done("warm_start")["sequences"] + sum(len(context_sequences(r)) for r in fresh)
@@ -299,9 +299,9 @@ def test_replay_trains_on_the_stored_trajectories_without_rollouts(tmp_path, mon
     def no_rollouts(*a, **k):
         raise AssertionError("a replay must not roll out")
 
-    monkeypatch.setattr(steps, "_roll_out", no_rollouts)
-    monkeypatch.setattr(steps, "_demonstrations", no_rollouts)
-    monkeypatch.setattr(steps, "evaluate", no_rollouts)
+    monkeypatch.setattr(phases.rl_step, "_roll_out", no_rollouts)
+    monkeypatch.setattr(phases.supervised, "demonstrations", no_rollouts)
+    monkeypatch.setattr(phases, "evaluate", no_rollouts)
     ov = [f"run.out_root={tmp_path}/runs", f"lake.root={clean_tmp}/lake",
           f"tracking.uri=sqlite:///{tmp_path}/mlflow.db", *WORKLOAD]
     from gyre_core.config import ConfigError
@@ -361,7 +361,7 @@ def test_an_update_past_max_kl_is_redone_at_half_the_learning_rate(tmp_path):
             assert torch.equal(weights["guarded", step + 1][k], ref), (step, k)
     # the checkpoint keeps the configured rate: a resumed run does not inherit a step's halvings
     run_cache.clear()
-    trainer = steps._trainer(RunDir.open(runs["guarded"].path), 2)
+    trainer = phases.run_objects.trainer_at(RunDir.open(runs["guarded"].path), 2)
     assert [g["lr"] for g in trainer.optimizer.param_groups] == [1e-4] * len(trainer.optimizer.param_groups)
 
 

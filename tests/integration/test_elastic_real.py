@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gyre_core import steps as st
+from gyre_core import phases
 from gyre_core.config import load_config
 from gyre_core.model import load_policy
 from gyre_core.run import RunDir
@@ -60,7 +60,7 @@ def _assert_reference_update(cfg, run, recs, v0: dict, v1: dict) -> None:
     from gyre_core.elastic.stream import finish_step
     from gyre_core.model import load_policy as load
     from gyre_core.processor.batch import micro_batches
-    from gyre_core.trainer.engine import Trainer
+    from gyre_core.trainer.trainer import Trainer
 
     rl = cfg.rl
     seqs_of = _sequences(cfg, recs)
@@ -99,13 +99,13 @@ def test_real_cells_train_with_exact_per_token_versions(tmp_path, channel):
         "elastic.micro_step_executions=2", "elastic.max_staleness=1", "elastic.capacity=4",
         f"rl.steps={STEPS}", "rl.lr=3e-3", CREDIT,
         "eval.episodes=8", "eval.greedy_episodes=0", "eval.random_baseline=false"])
-    run_dir = st.prepare(cfg)
-    st.warm_start(run_dir)
-    summary = st.elastic_rl(run_dir)
+    run_dir = phases.prepare(cfg)
+    phases.warm_start(run_dir)
+    summary = phases.elastic_rl(run_dir)
     run = RunDir.open(run_dir)
 
     # the elastic phase left what the step loop leaves: a publish marker per version, a lake part per step
-    assert st.latest_version(run) == STEPS
+    assert run.latest_version() == STEPS
     assert summary["dead_cells"] == [] and summary["switches"] >= 1
     # model.device=auto: each agent computes where torch sees a device (its own GPU slice on a GPU host)
     here = "real/cuda:0" if torch.cuda.is_available() else "real/cpu"
@@ -116,7 +116,7 @@ def test_real_cells_train_with_exact_per_token_versions(tmp_path, channel):
     assert summary["grad_channel"] == channel
     assert (summary["reduce_s_mean"] is not None) == (channel == "collective")
     n_per_step = cfg.rollout.tasks_per_step * cfg.rollout.group_size
-    records = {s: st._read_records(run, f"step={s}") for s in range(STEPS)}
+    records = {s: phases.run_objects.read_records(run, f"step={s}") for s in range(STEPS)}
     assert all(len(records[s]) == n_per_step for s in range(STEPS))
 
     # versions: real updates — each differs from the one before whenever its burst carried a signal
@@ -158,7 +158,7 @@ def test_real_cells_train_with_exact_per_token_versions(tmp_path, channel):
     _assert_reference_update(cfg, run, records[0], weights[0], weights[1])
 
     # evaluation reads the final version; the summary counts the elastic phase's executions and tokens
-    assert st.evaluate(run_dir, "after")["version"] == STEPS
+    assert phases.evaluate(run_dir, "after")["version"] == STEPS
     from gyre_core.report import summarize
 
     summary = summarize(run_dir, 0.0)
@@ -178,34 +178,36 @@ def test_a_satellite_lost_holding_its_gradient_falls_back_to_arrays(tmp_path, mo
     core alone, its gradients as arrays, step 0's burst trained again: v1 still equals one trainer's update
     on step 0's executions, and nothing of the dead cell's gradient is in it."""
     from gyre_core.elastic import runtime
+    from gyre_core.elastic.messages import MicroDone
 
     killed = []
 
     class KillSatellite(runtime.Coordinator):
         def _handle(self, cell, msg):
             super()._handle(cell, msg)
-            if msg[0] == "micro_done" and cell == 1 and not killed and self.version == 0:
+            if isinstance(msg, MicroDone) and cell == 1 and not killed and self.version == 0:
                 assert self.channel == "collective" and self.micro_by_cell.get(1) == 1
                 killed.append(self.now())
-                self.cells[1].proc.kill()
+                self.connections.kill(1)
 
     monkeypatch.setattr(runtime, "Coordinator", KillSatellite)
     cfg = load_config("smoke", [
         f"run.out_root={tmp_path}/runs", f"lake.root={tmp_path}/lake", f"tracking.uri=sqlite:///{tmp_path}/m.db",
         "elastic.enabled=true", "elastic.mode=real", "elastic.cells=2", "elastic.policy=colocated",
         "elastic.micro_step_executions=1", "elastic.capacity=8", "rl.steps=2", "rl.lr=3e-3", CREDIT,
-        "eval.episodes=8", "eval.greedy_episodes=0", "eval.random_baseline=false"])
-    run_dir = st.prepare(cfg)
-    st.warm_start(run_dir)
-    summary = st.elastic_rl(run_dir)
+        # 4 tasks × 4: with 2 × 4 step 0 still had no signal at all about one run in twelve
+        "rollout.tasks_per_step=4", "eval.episodes=8", "eval.greedy_episodes=0", "eval.random_baseline=false"])
+    run_dir = phases.prepare(cfg)
+    phases.warm_start(run_dir)
+    summary = phases.elastic_rl(run_dir)
     run = RunDir.open(run_dir)
     assert killed and summary["dead_cells"] == [1] and summary["grad_channel"] == "arrays"
     notes = " | ".join(summary["notes"])
     assert "as arrays from now on (cell 1 lost)" in notes and "micro-step(s) of step 0 redone" in notes, notes
-    assert st.latest_version(run) == 2
+    assert run.latest_version() == 2
     model, _ = load_policy(str(run.warm))
     v0 = {k: v.clone() for k, v in model.state_dict().items()}
-    _assert_reference_update(cfg, run, st._read_records(run, "step=0"), v0, load_weights(run.weights_uri(1)))
+    _assert_reference_update(cfg, run, phases.run_objects.read_records(run, "step=0"), v0, load_weights(run.weights_uri(1)))
 
 
 def test_a_crashed_elastic_phase_resumes_at_the_newest_published_version(tmp_path, monkeypatch):
@@ -219,32 +221,32 @@ def test_a_crashed_elastic_phase_resumes_at_the_newest_published_version(tmp_pat
         f"run.out_root={tmp_path}/runs", f"lake.root={tmp_path}/lake", f"tracking.uri=sqlite:///{tmp_path}/m.db",
         "elastic.enabled=true", "elastic.mode=real", "elastic.cells=2", "elastic.policy=elastic",
         "elastic.micro_step_executions=2", "elastic.capacity=4", f"rl.steps={STEPS}", "rl.lr=3e-3"])
-    run_dir = st.prepare(cfg)
-    st.warm_start(run_dir)
+    run_dir = phases.prepare(cfg)
+    phases.warm_start(run_dir)
     run = RunDir.open(run_dir)
-    land = st._elastic_step_done
+    land = phases.elastic.land_elastic_step
 
     def crash_after_step_1(run_, t, step, recs, ts, step_s):
         land(run_, t, step, recs, ts, step_s)
         if step == 1:
             raise RuntimeError("the coordinator's host went away")
-    monkeypatch.setattr(st, "_elastic_step_done", crash_after_step_1)
+    monkeypatch.setattr(phases.elastic, "land_elastic_step", crash_after_step_1)
     with pytest.raises(RuntimeError, match="went away"):
-        st.elastic_rl(run_dir)
-    monkeypatch.setattr(st, "_elastic_step_done", land)
-    assert st.latest_version(run) == 2 and run.done("elastic") is None
-    lake = st._lake(run)
+        phases.elastic_rl(run_dir)
+    monkeypatch.setattr(phases.elastic, "land_elastic_step", land)
+    assert run.latest_version() == 2 and run.done("elastic") is None
+    lake = phases.run_objects.run_lake(run)
     def manifest(s):
         return json.loads(lake.fs.cat_file(f"{lake.part_dir(run.run_id, f'step={s}')}/{MANIFEST}"))
     manifests = {s: manifest(s) for s in (0, 1)}
-    kept = {s: st._read_records(run, f"step={s}") for s in (0, 1)}
+    kept = {s: phases.run_objects.read_records(run, f"step={s}") for s in (0, 1)}
 
-    summary = st.elastic_rl(run_dir)
-    assert summary["resumed_from"] == 2 and summary["steps"] == 1 and st.latest_version(run) == STEPS
+    summary = phases.elastic_rl(run_dir)
+    assert summary["resumed_from"] == 2 and summary["steps"] == 1 and run.latest_version() == STEPS
     n_per_step = cfg.rollout.tasks_per_step * cfg.rollout.group_size
     for s in (0, 1):       # the landed steps were not redone
         assert manifest(s) == manifests[s] and len(kept[s]) == n_per_step
-    recs = st._read_records(run, "step=2")
+    recs = phases.run_objects.read_records(run, "step=2")
     assert len(recs) == n_per_step
     # step 2 ran on v2's weights: no token of an older version, and the log-probs are v2's own
     model, _ = load_policy(str(run.warm))

@@ -165,7 +165,7 @@ def test_gyre_worker_refuses_missing_pool_or_queue(client, capsys):
     from prefect.exceptions import ObjectNotFound
     from prefect.settings import PREFECT_API_URL, temporary_settings
 
-    from gyre_core.cli import main
+    from gyre_cli.main import main
 
     ensure_pools(client, _spec("gyre-worker"))
     assert main(["worker", "--pool", "absent-pool", "--queue", "rollout", "--devices", "0,1"]) == 2
@@ -394,7 +394,7 @@ def test_compose_file_services_healthchecks_ports_and_documented_variables():
 
     variables = {m.group(1) for m in _VAR.finditer(text)}
     assert {"GYRE_BIND_ADDRESS", "GYRE_PG_PASSWORD", "GYRE_S3_ACCESS_KEY"} <= variables
-    readme, example = (INFRA / "README.md").read_text(), (INFRA / "env.example").read_text()
+    readme, example = (ROOT / "docs" / "operations.md").read_text(), (INFRA / "env.example").read_text()
     for var in sorted(variables):
-        assert f"`{var}`" in readme, f"{var} is not documented in infra/README.md"
+        assert f"`{var}`" in readme, f"{var} is not documented in docs/operations.md"
         assert re.search(rf"^{var}=", example, re.M), f"{var} is missing from infra/env.example"

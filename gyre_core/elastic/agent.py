@@ -1,31 +1,16 @@
 """A cell agent: one long-lived process per cell that switches role without restarting.
 
-    python -m gyre_core.elastic.cells --cell 3 --coordinator 127.0.0.1:PORT --authkey-env GYRE_CELL_KEY
+    python -m gyre_core.elastic.agent --cell 3 --coordinator 127.0.0.1:PORT --authkey-env GYRE_CELL_KEY
 
-(`gyre cell ...` is the same command; a fleet's process manager can wrap it, and with `elastic.launch=prefect`
-the `cell-agent` flow run, `flows/cell_agent.py`, runs it on a cell worker.) The agent
-connects to the coordinator, says hello, and then serves messages until told to stop:
-
-    ("gen", call_id, request)        start a model call (rollout role only)
-    ("cancel", call_id)              stop it now; answer with the tokens made so far, reason "cancelled"
-    ("role", role, switch_s)         drain and take the role; answer ("role_done", role, seconds)
-    ("micro", ms_id, work)           compute one streamed micro-step (train role); answer
-                                     ("micro_done", ms_id, seconds, satellite's gradient or None, stats)
-    ("reduce", version, t)           a satellite in the prefix [0, t): sum its gradient (or zeros) onto the core
-    ("optim", version, work, t)      the core only: reduce over [0, t) (t > 1), apply the update, publish
-                                     version+1; answer ("optim_done", version+1, seconds, reduce seconds)
-                                     or, when the reduce failed, ("optim_failed", version, why)
-    ("channel", "arrays")            stop using the process groups (a cell was lost): drop the gradient held
-                                     here, and from now on hand each micro-step's gradient over as arrays
-    ("weights", version)             a newer policy was published (read it at the next call / micro-step)
-    ("release", key)                 the harness is done with a context: drop its K/V cache
-    ("stop",)
-
-and sends ("done", call_id, ids, logprobs, versions, reason) per call, plus ("beat", t) heartbeats.
+(a fleet's process manager can wrap it, and with `elastic.launch=prefect` the `cell-agent` flow run,
+`flows/cell_agent.py`, runs it on a cell worker.) The agent connects to the coordinator, says `Hello`,
+and then serves the coordinator's messages (`messages`: a call to start or cancel, a role to take, a
+micro-step to train, an update to apply, ...) until told to `Stop`; it answers each call with `Done`
+and beats (`Beat`) from its own thread.
 Gradients between training cells: real cells started with `--grad-store` build the prefix process groups
 of `collective` before they say hello, keep their micro-steps' gradients, and sum them onto the core at
 the update; without it (or after a cell loss) a satellite returns each micro-step's gradient as arrays,
-which the coordinator forwards to the core ("grads").
+which the coordinator forwards to the core (`Grads`).
 Device work is done by a backend: `EmulatedDevice` replaces it by calibrated waits (to show a K = 8
 fleet on a 2-core machine, clearly labelled as emulated); the real backend runs the engine and trainer.
 A rollout cell serves many calls at once, one token at a time across all of them (batched decoding),
@@ -41,22 +26,15 @@ import time
 from dataclasses import dataclass, field
 from multiprocessing.connection import Client, Connection
 
+from .messages import (BecomeCore, Beat, CallRequest, Cancel, Done, FromCell, Gen, Grads, Hello, Micro, MicroDone,
+                       Optim, OptimDone, OptimFailed, Reduce, Release, Role, RoleDone, Stop, ToCell, UseArrays,
+                       Weights)
+
 HEARTBEAT_S = 1.0
 
 
 @dataclass(slots=True)
-class CallRequest:
-    """A model call as the router sends it (a continuation after a reroute carries the tokens so far)."""
-
-    key: str                     # the live context (KV-cache key)
-    prompt_ids: list[int]        # full prompt, plus the tokens already generated on another cell
-    max_new_tokens: int          # what is left to generate
-    temperature: float = 1.0
-    token_s: float = 0.0         # emulated device seconds per token (ignored by real devices)
-
-
-@dataclass(slots=True)
-class _Gen:
+class _LiveCall:
     call_id: int
     req: CallRequest
     ids: list[int] = field(default_factory=list)
@@ -81,13 +59,13 @@ class EmulatedDevice:
     def __init__(self) -> None:
         self.version = 0
 
-    def start(self, g: _Gen, now: float) -> None:
+    def start(self, g: _LiveCall, now: float) -> None:
         g.next_t = now + g.req.token_s
 
-    def due(self, gens: list[_Gen]) -> float | None:
+    def due(self, gens: list[_LiveCall]) -> float | None:
         return min((g.next_t for g in gens), default=None)
 
-    def advance(self, gens: list[_Gen], now: float) -> list[_Gen]:
+    def advance(self, gens: list[_LiveCall], now: float) -> list[_LiveCall]:
         """Emit every token that is due; return the calls that are complete."""
         finished = []
         for g in gens:
@@ -100,7 +78,7 @@ class EmulatedDevice:
                 finished.append(g)
         return finished
 
-    def finish_reason(self, g: _Gen) -> str:
+    def finish_reason(self, g: _LiveCall) -> str:
         return "length"
 
     def release(self, key: str) -> None:
@@ -149,13 +127,14 @@ class RealDevice:
         `groups`: this cell's `collective.PrefixGroups` (None: gradients go as arrays)."""
         from ..engine import LocalEngine
         from ..model import load_policy, stop_token_ids
+        from ..seeds import cell_stream
 
         self.cell, self.weights_root, self.train_kw = cell, weights_root.rstrip("/"), dict(train)
         self.groups = groups
         model, tok = load_policy(policy_dir, device=self.train_kw.get("device", "cpu"))
         self.label = f"real/{next(model.parameters()).device}"    # sent in the hello (result.cell_devices)
         self.pad_id = tok.pad_token_id or 0
-        self.engine = LocalEngine(model, stop_token_ids(model, tok), version=0, seed=seed * 1_000_003 + cell)
+        self.engine = LocalEngine(model, stop_token_ids(model, tok), version=0, seed=cell_stream(seed, cell))
         self.stops = set(self.engine.stop_ids)
         self.version = 0          # the weights this cell computes with
         self.published = start_version   # the newest version the core has published
@@ -179,7 +158,7 @@ class RealDevice:
 
     def _trainer(self):
         if self.trainer is None:
-            from ..trainer.engine import Trainer
+            from ..trainer.trainer import Trainer
 
             kw = self.train_kw
             self.trainer = Trainer(self.engine.model, lr=kw["lr"], zero_stage=kw["zero_stage"],
@@ -188,13 +167,13 @@ class RealDevice:
         return self.trainer
 
     # -- rollout ---------------------------------------------------------------------------------
-    def start(self, g: "_Gen", now: float) -> None:
+    def start(self, g: "_LiveCall", now: float) -> None:
         pass
 
-    def due(self, gens: list["_Gen"]) -> float | None:
+    def due(self, gens: list["_LiveCall"]) -> float | None:
         return 0.0 if gens else None     # always ready for the next token
 
-    def advance(self, gens: list["_Gen"], now: float) -> list["_Gen"]:
+    def advance(self, gens: list["_LiveCall"], now: float) -> list["_LiveCall"]:
         """One token for every live call (one batched forward)."""
         if not gens:
             return []
@@ -212,7 +191,7 @@ class RealDevice:
                 finished.append(g)
         return finished
 
-    def finish_reason(self, g: "_Gen") -> str:
+    def finish_reason(self, g: "_LiveCall") -> str:
         return "stop" if g.ids and g.ids[-1] in self.stops else "length"
 
     def release(self, key: str) -> None:
@@ -304,12 +283,12 @@ class Agent:
     def __init__(self, cell: int, conn: Connection, device) -> None:
         self.cell, self.conn, self.device = cell, conn, device
         self.role = "rollout"
-        self.gens: dict[int, _Gen] = {}
+        self.gens: dict[int, _LiveCall] = {}
         self._send_lock = threading.Lock()
         self._stopped = threading.Event()
         self.busy_since: float | None = None    # when the main loop started its current piece of work
 
-    def send(self, *msg) -> None:
+    def send(self, msg: FromCell) -> None:
         with self._send_lock:
             self.conn.send(msg)
 
@@ -320,18 +299,18 @@ class Agent:
         while not self._stopped.wait(HEARTBEAT_S):
             t0 = self.busy_since
             try:
-                self.send("beat", time.time(), 0.0 if t0 is None else time.monotonic() - t0)
+                self.send(Beat(time.time(), 0.0 if t0 is None else time.monotonic() - t0))
             except (OSError, EOFError):
                 return
 
-    def _finish(self, g: _Gen, reason: str) -> None:
+    def _finish(self, g: _LiveCall, reason: str) -> None:
         self.gens.pop(g.call_id, None)
         if reason == "cancelled":        # the context moves to another cell: its K/V here are dead weight
             self.device.release(g.req.key)
-        self.send("done", g.call_id, g.ids, g.logprobs, g.versions, reason)
+        self.send(Done(g.call_id, g.ids, g.logprobs, g.versions, reason))
 
     def serve(self) -> None:
-        self.send("hello", self.cell, os.getpid(), self.device.label)
+        self.send(Hello(self.cell, os.getpid(), self.device.label))
         threading.Thread(target=self._heartbeat, daemon=True).start()
         try:
             self._loop()
@@ -353,55 +332,55 @@ class Agent:
                 self._finish(g, self.device.finish_reason(g))
             self.busy_since = None
 
-    def _handle(self, msg: tuple) -> bool:
-        kind, t0 = msg[0], time.monotonic()
-        if kind == "gen":
-            _, call_id, req = msg
-            if self.role != "rollout":   # raced with a role change: hand it straight back
-                self.send("done", call_id, [], [], [], "cancelled")
-                return True
-            g = _Gen(call_id, req)
-            self.gens[call_id] = g
-            self.device.start(g, t0)
-        elif kind == "cancel":
-            g = self.gens.get(msg[1])
-            if g is not None:
-                self._finish(g, "cancelled")
-        elif kind == "role":
-            _, role, switch_s = msg
-            for g in list(self.gens.values()):   # drain: calls still here go back to the router
-                self._finish(g, "cancelled")
-            self.device.switch(role, switch_s)
-            self.role = role
-            self.send("role_done", role, time.monotonic() - t0)
-        elif kind == "micro":
-            grads, stats = self.device.micro(msg[2])
-            self.send("micro_done", msg[1], time.monotonic() - t0, grads, stats)
-        elif kind == "grads":            # the core: a satellite's gradient for this step
-            self.device.add_grads(msg[1])
-        elif kind == "reduce":           # a satellite: its part of the update's reduce
-            self.device.reduce(msg[2])
-        elif kind == "optim":
-            from .collective import ReduceFailed
+    def _handle(self, msg: ToCell) -> bool:
+        """Act on one message of the coordinator's; False: stop serving."""
+        t0 = time.monotonic()
+        match msg:
+            case Gen(call_id, req):
+                if self.role != "rollout":   # raced with a role change: hand it straight back
+                    self.send(Done(call_id, [], [], [], "cancelled"))
+                    return True
+                g = _LiveCall(call_id, req)
+                self.gens[call_id] = g
+                self.device.start(g, t0)
+            case Cancel(call_id):
+                g = self.gens.get(call_id)
+                if g is not None:
+                    self._finish(g, "cancelled")
+            case Role(role, switch_s):
+                for g in list(self.gens.values()):   # drain: calls still here go back to the router
+                    self._finish(g, "cancelled")
+                self.device.switch(role, switch_s)
+                self.role = role
+                self.send(RoleDone(role, time.monotonic() - t0))
+            case Micro(ms_id, work):
+                grads, stats = self.device.micro(work)
+                self.send(MicroDone(ms_id, time.monotonic() - t0, grads, stats))
+            case Grads(grads):               # the core: a satellite's gradient for this step
+                self.device.add_grads(grads)
+            case Reduce(_, t):               # a satellite: its part of the update's reduce
+                self.device.reduce(t)
+            case Optim(version, work, t):
+                from .collective import ReduceFailed
 
-            try:
-                reduce_s = self.device.optim(msg[1], msg[2], msg[3] if len(msg) > 3 else 1)
-            except ReduceFailed as e:
-                self.send("optim_failed", msg[1], str(e))
-                return True
-            self.send("optim_done", msg[1] + 1, time.monotonic() - t0, reduce_s)
-        elif kind == "channel":          # a cell was lost: gradients go as arrays from now on
-            self.device.use_arrays()
-        elif kind == "weights":
-            self.device.set_version(msg[1])
-        elif kind == "release":          # the harness is done with this context: free its K/V
-            self.device.release(msg[1])
-        elif kind == "core":             # this cell now holds the optimizer (the old core was lost)
-            self.device.become_core()
-        elif kind == "stop":
-            return False
-        else:
-            raise ValueError(f"cell {self.cell}: unknown message {kind!r}")
+                try:
+                    reduce_s = self.device.optim(version, work, t)
+                except ReduceFailed as e:
+                    self.send(OptimFailed(version, str(e)))
+                    return True
+                self.send(OptimDone(version + 1, time.monotonic() - t0, reduce_s))
+            case UseArrays():                # a cell was lost: gradients go as arrays from now on
+                self.device.use_arrays()
+            case Weights(version):
+                self.device.set_version(version)
+            case Release(key):               # the harness is done with this context: free its K/V
+                self.device.release(key)
+            case BecomeCore():               # this cell now holds the optimizer (the old core was lost)
+                self.device.become_core()
+            case Stop():
+                return False
+            case _:
+                raise ValueError(f"cell {self.cell}: unknown message {msg!r}")
         return True
 
 

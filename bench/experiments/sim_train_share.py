@@ -1,7 +1,7 @@
 """Elastic vs async vs colocated in the simulator as training's share of the work grows, and as the fleet's
 slots per cell and the staleness bound change.
 
-    python bench/sim_train_share.py            # two tables; a few seconds
+    .venv/bin/python bench/experiments/sim_train_share.py           # two tables; a few seconds
 
 The fleet and workload are the elastic bench's emulated K = 8 ones (`bench.elastic.WORKLOAD`: 64
 executions a step, calls lognormal median 10 σ 0.9 capped at 40) at round device costs (a call 0.03 s, an
@@ -18,7 +18,7 @@ import dataclasses
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from bench.elastic import CAPACITY_EMULATED, K_EMULATED, MICRO_EMULATED, WORKLOAD  # noqa: E402
 from gyre_core.elastic.sim import compare, step_s_floor  # noqa: E402

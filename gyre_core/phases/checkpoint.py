@@ -14,9 +14,10 @@ A checkpoint is one of
     `tracking.uri` to a temporary directory that holds (or has one folder that holds) such an HF directory.
 Anything else stops with a `CheckpointError` naming it, before any episode runs.
 
-The evaluation is `steps.evaluate`'s, so its figures compare with a run's before/after ones: the config's
-held-out seeds (`env.eval_seed_start` + i for i < `eval.episodes`), the same sampling stream, the sampled
-policy at `rollout.temperature` and the greedy one on the first `eval.greedy_episodes` seeds. The preset
+The evaluation is `phases.evaluate.held_out`, a run's own loop, so its figures compare with a run's
+before/after ones: the config's held-out seeds (`env.eval_seed_start` + i for i < `eval.episodes`), the
+same sampling stream, the sampled policy at `rollout.temperature` and the greedy one on the first
+`eval.greedy_episodes` seeds. The preset
 decides the environment, harness and seeds, whatever the checkpoint was trained with. Its executions go to
 the lake as run `eval-<label>`, part `eval=<label>` (a second evaluation under the same label replaces
 them), and the result to a new MLflow run in `tracking.experiment` tagged `gyre.kind=evaluate`.
@@ -32,8 +33,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from .config import ConfigError, GyreConfig, apply_threads
-from .run import CheckpointError, RunDir
+from ..config import ConfigError, GyreConfig, apply_threads
+from ..run import CheckpointError, RunDir, checkpoint_eval_names
 
 MLFLOW_SCHEMES = ("runs:/", "models:/", "mlflow-artifacts:/")
 EXTERNAL_VERSION = -1      # policy_version of a checkpoint that is not a version of a run in this lake
@@ -85,8 +86,6 @@ def resolve_local(checkpoint: str, cfg: GyreConfig) -> Checkpoint:
 
 def _run_checkpoint(checkpoint: str, path: Path, version: int | None = None) -> Checkpoint:
     """The run at `path`: its newest published version, or `version` (which must be published)."""
-    from .steps import latest_version
-
     try:
         run = RunDir.open(path)
     except Exception as exc:  # noqa: BLE001 - a config.yaml this Gyre cannot read
@@ -95,7 +94,7 @@ def _run_checkpoint(checkpoint: str, path: Path, version: int | None = None) -> 
     if run.done("warm_start") is None:
         raise CheckpointError(f"checkpoint {checkpoint!r}: run '{run.run_id}' has no published policy yet "
                               f"(its warm start has not finished)")
-    newest = latest_version(run)
+    newest = run.latest_version()
     if version is not None and version > newest:
         raise CheckpointError(f"checkpoint {checkpoint!r}: run '{run.run_id}' has published versions 0 – {newest}, "
                               f"not {version}")
@@ -135,8 +134,8 @@ def _hf_dir_in(path: Path) -> Path | None:
 def _load(ck: Checkpoint, device: str = "cpu"):
     """(model, tokenizer, weights): a run's initial model and its newest published weights, or the HF dir
     and None."""
-    from .model import PolicyLoadError, load_policy
-    from .trainer.publish import load_weights
+    from ..model import PolicyLoadError, load_policy
+    from ..trainer.publish import load_weights
 
     run = RunDir.open(ck.path) if ck.kind == "run" else None
     try:
@@ -159,8 +158,8 @@ def _seeds_hash(seeds: list[int]) -> str:
 
 def evaluate_checkpoint(cfg: GyreConfig, checkpoint: str, label: str = "checkpoint") -> dict:
     """Resolve, load and evaluate `checkpoint` on the held-out seeds; write the lake part and the MLflow run."""
-    from .envs import load_env
-    from .lake import Lake
+    from ..envs import load_env
+    from ..lake import Lake
 
     check_label(label)
     apply_threads(cfg)
@@ -195,42 +194,30 @@ def _mismatch(cfg: GyreConfig, ck: Checkpoint) -> list[str]:
 
 
 def _evaluate(cfg: GyreConfig, ck: Checkpoint, model, tok, weights, label: str) -> dict:
-    from .engine import LocalEngine
-    from .envs import load_env
-    from .evaluation import success_interval, summarize
-    from .harness.conversation import ChatFormat
-    from .harness.loop import ExecutionSpec, run_executions
-    from .harness.policies import EnginePolicy
-    from .lake import Lake, calls_table, executions_table
-    from .model import stop_token_ids
-    from .steps import EVAL_STREAM
-    from .ui import phase
+    from ..engine import LocalEngine
+    from ..envs import load_env
+    from ..evaluation import success_interval
+    from ..harness.conversation import ChatFormat
+    from ..harness.loop import run_executions
+    from ..lake import Lake, calls_table, executions_table
+    from ..model import stop_token_ids
+    from .held_out import eval_modes, held_out
 
     stops = stop_token_ids(model, tok)
     engine = LocalEngine(model, stops, version=EXTERNAL_VERSION, seed=cfg.run.seed)
-    if weights is not None:          # a run: its initial model with the version's weights, as steps._engine_at does
+    if weights is not None:          # a run: its initial model with the version's weights, as engine_at does
         engine.set_weights(weights, ck.version)
     fmt, stop_texts = ChatFormat(tok), {i: tok.decode([i]) for i in stops}
-    run_id, part = f"eval-{label}", f"eval={label}"
-    all_seeds = [cfg.env.eval_seed_start + i for i in range(cfg.eval.episodes)]
-    modes = [("sampled", cfg.rollout.temperature, cfg.eval.episodes)]
-    if cfg.eval.greedy_episodes:
-        modes.append(("greedy", 0.0, min(cfg.eval.greedy_episodes, cfg.eval.episodes)))
+    run_id, part = checkpoint_eval_names(label)
+
+    def run_specs(specs, policy, on_finish):
+        return run_executions(specs, policy, cfg.harness, lambda: load_env(cfg.env.target, **cfg.env.kwargs), fmt,
+                              stop_texts, cfg.rollout.concurrency, on_finish)
+
+    records, summaries = held_out(cfg, label, eval_modes(cfg), run_id, ck.version, f"{run_id}/", run_specs,
+                                  engine=engine)
     out: dict = {"label": label, "checkpoint": ck.source, "kind": ck.kind, "resolved": str(ck.path),
-                 "policy_version": ck.version, "preset": cfg.preset}
-    records = []
-    for mode, temp, n in modes:
-        seeds = all_seeds[:n]
-        specs = [ExecutionSpec(run_id, -2, f"{run_id}/{mode}/{i}", f"seed{s}", s, f"eval-{mode}", ck.version)
-                 for i, s in enumerate(seeds)]
-        engine.reseed(cfg.run.seed * 1_000_003 + EVAL_STREAM)     # steps.evaluate's stream: comparable numbers
-        with phase(f"evaluate {label}: {mode}", len(specs)) as tick:
-            recs = run_executions(specs, EnginePolicy(engine, temp), cfg.harness,
-                                  lambda: load_env(cfg.env.target, **cfg.env.kwargs), fmt, stop_texts,
-                                  cfg.rollout.concurrency, lambda r: tick())
-        records += recs
-        out[mode] = summarize(label, mode, seeds, [r.success for r in recs], [r.partial for r in recs],
-                              [r.turns for r in recs]).to_dict()
+                 "policy_version": ck.version, "preset": cfg.preset, **summaries}
     tables = {"executions": executions_table(records), "calls": calls_table(records)}
     Lake.from_config(cfg.lake).write_part(run_id, part, tables)
     s = out["sampled"]
@@ -248,7 +235,7 @@ def log_evaluation(cfg: GyreConfig, result: dict) -> str:
     from mlflow.entities import Metric, Param
     from mlflow.tracking import MlflowClient
 
-    from .tracking import flatten
+    from ..tracking import flatten
 
     uri = cfg.tracking.uri
     if uri.startswith("sqlite:///"):

@@ -1,6 +1,6 @@
 """How far behaviour cloning goes: held-out success of the supervised policy at checkpoints.
 
-    python bench/sft_curve.py --preset default --name cos --checkpoints 100,200,400,800 \
+    .venv/bin/python bench/experiments/sft_curve.py --preset default --name cos --checkpoints 100,200,400,800 \
         --set warmstart.episodes=2000 --set warmstart.steps=800 --set warmstart.lr_final=1e-4
 
 One warm start (`warmstart.steps` supervised steps on `warmstart.episodes` expert demonstrations, with
@@ -17,11 +17,11 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from gyre_core import steps  # noqa: E402
-from gyre_core.config import load_config  # noqa: E402
+from gyre_core import phases  # noqa: E402
+from gyre_core.config import DEMO_SEED_OFFSET, load_config  # noqa: E402
 from gyre_core.evaluation import EvalResult, paired  # noqa: E402
 from gyre_core.run import RunDir  # noqa: E402
 
@@ -51,10 +51,10 @@ def main(argv: list[str] | None = None) -> None:
         f"eval.episodes={args.eval_episodes}", "eval.greedy_episodes=0", "eval.random_baseline=false",
         f"warmstart.steps={max(marks)}", f"run.name=sft-{args.name}", f"run.out_root={out_root}",
         f"lake.root={out_root}/lake", f"tracking.uri=sqlite:///{out_root}/mlflow-sft.db"])
-    run = RunDir.open(steps.prepare(cfg))
+    run = RunDir.open(phases.prepare(cfg))
     d, t0 = str(run.path), time.time()
-    seeds = [cfg.env.train_seed_start + steps.DEMO_SEED_OFFSET + i for i in range(cfg.warmstart.episodes)]
-    records = steps._demonstrations(run, seeds, "demo", "demonstrations")
+    seeds = [cfg.env.train_seed_start + DEMO_SEED_OFFSET + i for i in range(cfg.warmstart.episodes)]
+    records = phases.supervised.demonstrations(run, seeds, "demo", "demonstrations")
     good = [r for r in records if r.success]
     model, tok = load_policy(str(run.policy0))
     rows: list[dict] = []
@@ -66,11 +66,11 @@ def main(argv: list[str] | None = None) -> None:
             return
         train_s[0] += time.time() - last[0]
         publish_weights(trainer.state_dict(), run.weights_uri(k))
-        res = steps.evaluate(d, f"sft{k}", version=k)
+        res = phases.evaluate(d, f"sft{k}", version=k)
         cur = EvalResult(**res["sampled"])
         row = {"name": args.name, "overrides": args.overrides, "sft_steps": k, "success": cur.success,
                "partial": cur.partial, "episodes": cur.episodes, "train_minutes": train_s[0] / 60,
-               "lr": steps.supervised_lr(cfg.warmstart, k - 1, cfg.warmstart.steps)}
+               "lr": phases.supervised.supervised_lr(cfg.warmstart, k - 1, cfg.warmstart.steps)}
         if rows:
             prev = EvalResult(**rows[-1].pop("_res"))
             diff = paired(prev, cur)
@@ -84,7 +84,8 @@ def main(argv: list[str] | None = None) -> None:
         rows.append(row)
         last[0] = time.time()
 
-    steps._supervised(run, model, tok, good, "supervised steps", n_steps=cfg.warmstart.steps, on_step=on_step)
+    phases.supervised.behaviour_cloning(run, model, tok, good, "supervised steps", n_steps=cfg.warmstart.steps,
+                                        on_step=on_step)
     print(f"[{args.name}] done in {(time.time() - t0) / 60:.1f} min", flush=True)
 
 

@@ -51,14 +51,14 @@ def _sigterm_as_interrupt() -> None:
 
 
 def cmd_train(args) -> int:
-    from .config import ConfigError, load_config
+    from gyre_core.config import ConfigError, load_config
 
     if args.replay:
         args.set = list(args.set or []) + [f"run.replay={args.replay}"]
     overrides = list(args.set or []) + ([f"rl.steps={args.steps}"] if args.steps is not None else [])
     try:
         cfg = load_config(args.preset, overrides)
-        from .lake import Lake
+        from gyre_core.lake import Lake
 
         Lake.from_config(cfg.lake).check_writable()
     except (ConfigError, ValueError) as exc:
@@ -66,8 +66,8 @@ def cmd_train(args) -> int:
         return 2
     from flows.train import train
 
-    from .model import PolicyLoadError
-    from .run import CheckpointError
+    from gyre_core.model import PolicyLoadError
+    from gyre_core.run import CheckpointError
 
     try:
         summary = train(preset=args.preset, overrides=list(args.set or []), steps=args.steps)
@@ -80,7 +80,7 @@ def cmd_train(args) -> int:
     except KeyboardInterrupt:
         print(f"gyre: interrupted; run the same command again to resume run '{cfg.run_id()}'", file=sys.stderr)
         return 130
-    from .report import render_summary
+    from gyre_core.report import render_summary
 
     render_summary(summary)
     if args.summary_json:
@@ -91,15 +91,15 @@ def cmd_train(args) -> int:
 
 def cmd_evaluate(args) -> int:
     """A checkpoint (run directory, HF model directory or MLflow URI) on the preset's held-out seeds."""
-    from .checkpoint_eval import check_label, format_result, is_mlflow_uri, resolve_local
-    from .config import ConfigError, load_config
-    from .run import CheckpointError
+    from gyre_core.phases.checkpoint import check_label, format_result, is_mlflow_uri, resolve_local
+    from gyre_core.config import ConfigError, load_config
+    from gyre_core.run import CheckpointError
 
     overrides = list(args.set or []) + ([f"eval.episodes={args.episodes}"] if args.episodes is not None else [])
     try:
         cfg = load_config(args.preset, overrides)
         check_label(args.label)
-        from .lake import Lake
+        from gyre_core.lake import Lake
 
         Lake.from_config(cfg.lake).check_writable()
     except (ConfigError, ValueError) as exc:
@@ -126,7 +126,7 @@ def cmd_evaluate(args) -> int:
 
 
 def cmd_sql(args) -> int:
-    from .lake.sql import SqlError, named_queries, named_query, run_sql
+    from gyre_core.lake.sql import SqlError, named_queries, named_query, run_sql
 
     if args.list_queries:
         queries = named_queries()
@@ -137,7 +137,7 @@ def cmd_sql(args) -> int:
     if (args.query is None) == (args.named is None):
         print("gyre sql: give exactly one of a query text or --query NAME (see --list-queries)", file=sys.stderr)
         return 2
-    from .config import ConfigError, load_config
+    from gyre_core.config import ConfigError, load_config
 
     try:
         query = args.query if args.named is None else named_query(args.named)
@@ -158,8 +158,8 @@ def cmd_sql(args) -> int:
 
 def cmd_lake(args) -> int:
     """Maintenance of the lake: compact finished steps, check files (quarantining bad ones), clean up."""
-    from .config import ConfigError, load_config
-    from .lake import Lake
+    from gyre_core.config import ConfigError, load_config
+    from gyre_core.lake import Lake
 
     try:
         lake_cfg = load_config(args.preset).lake
@@ -174,7 +174,7 @@ def cmd_lake(args) -> int:
             out = [q for r in runs for q in lake.check(r)]
             print(f"{len(out)} file(s) quarantined" if out else "every listed file is readable", file=sys.stderr)
         elif args.action == "retain":
-            from .lake.maintenance import retain
+            from gyre_core.lake.maintenance import retain
 
             if args.days is None:
                 raise ValueError("retain needs --days D (delete runs whose newest commit is older than D days)")
@@ -294,8 +294,8 @@ def cmd_sim(args) -> int:
     """Simulate colocated / async / elastic on a profile's fleet and workload (`gyre_core.elastic.sim`)."""
     import dataclasses
 
-    from .elastic.profiles import get_profile, with_overrides, workload_from_trace
-    from .elastic.sim import POLICIES, compare_results, format_comparison, write_timelines
+    from gyre_core.elastic.profiles import get_profile, with_overrides, workload_from_trace
+    from gyre_core.elastic.sim import POLICIES, compare_results, format_comparison, write_timelines
 
     try:
         prof = get_profile(args.profile)
@@ -343,7 +343,8 @@ def main(argv: list[str] | None = None) -> int:
     t.set_defaults(fn=cmd_train)
     q = sub.add_parser("sql", help="read-only SQL over the trajectory lake")
     q.add_argument("query", nargs="?", default=None, help="one SQL statement (or use --query NAME)")
-    q.add_argument("--query", dest="named", default=None, metavar="NAME", help="run data/sql/NAME.sql")
+    q.add_argument("--query", dest="named", default=None, metavar="NAME",
+                   help="run NAME.sql from gyre_core/lake/queries/ (or $GYRE_SQL_DIR)")
     q.add_argument("--list-queries", action="store_true", help="list the named queries and what they answer")
     q.add_argument("--run", default=None, help="restrict the views to one run id")
     q.add_argument("--format", default="table", choices=("table", "csv", "json"))

@@ -1,11 +1,11 @@
 """RL ablations from one shared warm start: each variant runs N RL steps and a paired held-out eval.
 
-    python bench/rl_ablation.py --preset default --steps 24 --eval-episodes 500 \
+    .venv/bin/python bench/experiments/rl_ablation.py --preset default --steps 24 --eval-episodes 500 \
         --variant base: --variant lr5e-4:rl.lr=5e-4 --variant std:rl.advantage_norm=std,rl.lr=5e-4
 
 The warm start (and the "before" evaluation) is computed once per base config in a run directory
 named for the config hash; every variant copies it, applies its overrides (which must not touch
-what the warm start depends on), and continues with the ordinary steps of `gyre_core.steps`. Rows
+what the warm start depends on), and continues with the ordinary steps of `gyre_core.phases`. Rows
 (setting, before, after, paired interval, minutes) are printed and appended to `--out` as JSON lines.
 Run several invocations side by side (one thread each) to use both cores.
 """
@@ -23,10 +23,10 @@ from pathlib import Path
 
 import yaml
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from gyre_core import steps  # noqa: E402
+from gyre_core import phases  # noqa: E402
 from gyre_core.config import load_config  # noqa: E402
 from gyre_core.evaluation import EvalResult, paired  # noqa: E402
 from gyre_core.run import RunDir  # noqa: E402
@@ -55,9 +55,9 @@ def _base_run_locked(preset: str, overrides: list[str], out_root: Path, key: str
     cfg = load_config(preset, overrides + [f"run.name=ablation-base-{key}", f"run.out_root={out_root}",
                                            f"lake.root={out_root}/lake",
                                            f"tracking.uri=sqlite:///{out_root}/mlflow-base.db"])
-    run = RunDir.open(steps.prepare(cfg))
-    steps.warm_start(str(run.path))
-    steps.evaluate(str(run.path), "before")
+    run = RunDir.open(phases.prepare(cfg))
+    phases.warm_start(str(run.path))
+    phases.evaluate(str(run.path), "before")
     return run
 
 
@@ -94,8 +94,8 @@ def run_control(base: RunDir, name: str, preset: str, overrides: list[str], minu
     """The supervised-only control: behaviour cloning from the warm start for `minutes`."""
     run = _variant_run(base, name, preset, overrides, [])
     d, t0 = str(run.path), time.time()
-    c = steps.control(d, budget_s=60 * minutes)
-    return _row(base, name, [f"control {minutes} min"], steps.evaluate(d, "control"), time.time() - t0,
+    c = phases.control(d, budget_s=60 * minutes)
+    return _row(base, name, [f"control {minutes} min"], phases.evaluate(d, "control"), time.time() - t0,
                 sft_steps=c["sft_steps"])
 
 
@@ -113,11 +113,11 @@ def run_variant(base: RunDir, name: str, preset: str, overrides: list[str], extr
     d, t0 = str(run.path), time.time()
     curve = []
     for step in range(run.cfg.rl.steps):
-        steps.rollout(d, step)
-        steps.score(d, step)
-        steps.process(d, step)
-        steps.train(d, step)
-        steps.publish(d, step)
+        phases.rollout(d, step)
+        phases.score(d, step)
+        phases.process(d, step)
+        phases.train(d, step)
+        phases.publish(d, step)
         ro, tr = run.done(f"rollout_{step:04d}"), run.done(f"train_{step:04d}")
         backtracks = tr.get("kl_backtracks", 0)
         curve.append({"step": step, "success": ro["success"], "partial": ro["partial"], "kl": tr["kl"],
@@ -126,7 +126,7 @@ def run_variant(base: RunDir, name: str, preset: str, overrides: list[str], extr
         print(f"  [{name}] step {step}: rollout success {ro['success']:.3f} partial {ro['partial']:.3f} "
               f"kl {tr['kl']:.4f}{halved} entropy {tr['entropy']:.3f}", flush=True)
     rl_s = time.time() - t0
-    return _row(base, name, extra, steps.evaluate(d, "after"), rl_s, rl_steps=run.cfg.rl.steps, curve=curve)
+    return _row(base, name, extra, phases.evaluate(d, "after"), rl_s, rl_steps=run.cfg.rl.steps, curve=curve)
 
 
 def print_table(path: str) -> None:

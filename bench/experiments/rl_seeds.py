@@ -2,7 +2,7 @@
 
     gyre train --preset default --summary-json a.json                       # run 1 (run.seed 0)
     gyre train --preset default --set run.seed=1 --set env.train_seed_start=100000 --summary-json b.json
-    python bench/rl_seeds.py data/runs/default-s0 data/runs/default-s1
+    .venv/bin/python bench/experiments/rl_seeds.py data/runs/default-s0 data/runs/default-s1
 
 Each run differs in its model initialisation, sampling, demonstrations and RL tasks, and is evaluated on
 the same held-out seeds. Prints one row per run (before, after, control, RL − before and RL − control with
@@ -21,7 +21,7 @@ from pathlib import Path
 
 import yaml
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from gyre_core.evaluation import paired_difference  # noqa: E402
 from gyre_core.run import RunDir  # noqa: E402

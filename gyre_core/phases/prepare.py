@@ -1,0 +1,99 @@
+"""Prepare a run: its directory and initial policy, with everything that would stop it later checked first.
+
+    run_dir = prepare(cfg)      # a new run, or the same run reopened (then checked for resuming)
+"""
+from __future__ import annotations
+
+from ..config import ConfigError, GyreConfig, apply_threads
+from ..run import DEMOS_PART, STEP_PART_PREFIX, CheckpointError, RunDir, ckpt_tag, step_marker, step_part
+
+
+def prepare(cfg: GyreConfig) -> str:
+    """Create the run directory and its initial policy.
+
+    Everything that would stop a run later is checked here, before any rollout: the lake root, the
+    environment target, `model.path`, and on resume every checkpoint the run will read.
+    """
+    from ..envs import load_env, supports
+    from ..lake import Lake
+    from ..model import PolicyLoadError, build_tiny_model, load_policy, save_policy, train_tokenizer
+
+    apply_threads(cfg)
+    try:
+        env = load_env(cfg.env.target, **cfg.env.kwargs)
+    except Exception as exc:
+        raise ConfigError(f"env.target: {exc}") from None
+    model = tok = None
+    if cfg.model.path:
+        try:
+            model, tok = load_policy(cfg.model.path)
+        except PolicyLoadError as exc:
+            raise ConfigError(f"model.path: {exc}") from None
+    lake = Lake.from_config(cfg.lake)
+    lake.check_writable()
+    run = RunDir.create(cfg)
+    if cfg.run.replay:
+        check_replayable(lake, cfg)
+    left = lake.cleanup(run.run_id)            # what a crashed attempt of this run left in the lake
+    if any(left.values()):
+        import sys
+
+        print(f"gyre lake: cleaned up after an earlier attempt of run {run.run_id}: {left}", file=sys.stderr)
+    if run.done("prepare"):
+        check_resumable(run)
+        return str(run.path)
+    if model is None:
+        texts = list(env.corpus(cfg.model.tokenizer_corpus_episodes, cfg.run.seed)) if supports(env, "corpus") else []
+        texts.append(env.instructions())
+        tok = train_tokenizer(texts, cfg.model.vocab_size)
+        m = cfg.model
+        model = build_tiny_model(tok, hidden_size=m.hidden_size, num_layers=m.num_layers, num_heads=m.num_heads,
+                                 num_kv_heads=m.num_kv_heads, ffn_size=m.ffn_size, max_positions=m.max_positions,
+                                 seed=cfg.run.seed)
+    save_policy(model, tok, str(run.policy0))
+    run.mark("prepare", {"params": sum(p.numel() for p in model.parameters()), "vocab": len(tok)})
+    return str(run.path)
+
+
+def check_replayable(lake, cfg: GyreConfig) -> None:
+    """A replay needs the source run's demonstrations and one committed `step=N` part per RL step."""
+    src = cfg.run.replay
+    if src == cfg.run_id():
+        raise ConfigError(f"run.replay: a run cannot replay itself ('{src}'); leave run.name unset or change it")
+    parts = lake.parts(src)
+    if not parts:
+        raise ConfigError(f"run.replay: no run '{src}' in the lake at {cfg.lake.root} (runs: {', '.join(lake.runs()) or 'none'})")
+    missing = [step_part(s) for s in range(cfg.rl.steps) if step_part(s) not in parts]
+    if DEMOS_PART not in parts or missing:
+        have = [p for p in parts if p.startswith(STEP_PART_PREFIX) or p == DEMOS_PART]
+        raise ConfigError(f"run.replay: run '{src}' lacks {', '.join(([DEMOS_PART] if DEMOS_PART not in parts else []) + missing)} "
+                          f"for rl.steps={cfg.rl.steps} (it has {', '.join(have) or 'nothing'}); lower rl.steps")
+
+
+def check_resumable(run: RunDir) -> None:
+    """Load what a resumed run will read (policy dirs, published weights, the newest DeepSpeed
+    checkpoint) so a corrupt file stops the run here with its path, not in the middle of a step."""
+    from ..model import load_policy
+    from ..trainer.publish import load_weights
+
+    load_policy(str(run.policy0))
+    if run.done("warm_start") is None:
+        return
+    load_policy(str(run.warm))
+    v = run.latest_version()
+    for uri in {run.weights_uri(0), run.weights_uri(v)}:
+        try:
+            load_weights(uri)
+        except Exception as exc:
+            raise CheckpointError(f"published weights {uri} are unreadable ({type(exc).__name__}: {exc}); "
+                                  f"delete the run directory to start over") from None
+    # the checkpoint the next train step loads: v, or v+1 when its train step finished but publish did not
+    newest = v + 1 if run.done(step_marker("train", v)) is not None else v
+    if newest == 0:
+        return
+    tag_dir = run.ckpt / ckpt_tag(newest)
+    need = ["mp_rank_*_model_states.pt"] + (["*optim_states.pt"] if run.cfg.trainer.zero_stage >= 1 else [])
+    for pattern in need:
+        if not any(tag_dir.glob(pattern)):
+            raise CheckpointError(f"checkpoint {tag_dir} is missing or incomplete (no {pattern}); "
+                                  f"delete the run directory to start over")

@@ -1,0 +1,185 @@
+"""What every phase of a run shares, loaded once per process and cached on the run directory.
+
+    bundle = policy_bundle(run)          # engine, tokenizer, chat format, stop tokens of the run's model
+    engine = engine_at(run, version)     # the engine holding published policy `version`
+    records = run_policy(run, specs, policy)            # executions through the harness
+    write_records(run, part, records); read_records(run, part)   # the run's lake part
+    trainer = trainer_at(run, version)   # the RL trainer holding `version` (resumed from its checkpoint)
+    t = tracker(run)                     # the run's one MLflow run
+
+Consecutive Prefect tasks run in one process, so a model, an engine or a trainer loaded by one phase is
+there for the next; a fresh process (a resumed run, a retried task) loads them from the run directory.
+"""
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+from typing import Any
+
+import pyarrow as pa
+
+from ..run import CONTROL_VERSION, RunDir, ckpt_tag
+
+
+@dataclass(slots=True)
+class PolicyBundle:
+    """The run's initial model as the harness uses it: the engine that decodes it, its tokenizer, the
+    chat format that renders turns, and the texts of its stop tokens."""
+
+    engine: Any
+    tokenizer: Any
+    chat: Any
+    stop_texts: dict[int, str]
+
+    @property
+    def stop_id(self) -> int:
+        """The stop token scripted policies end their answers with (the tokenizer's eos)."""
+        eos = self.tokenizer.eos_token_id
+        return eos if eos in self.stop_texts else min(self.stop_texts)
+
+
+def policy_bundle(run: RunDir) -> PolicyBundle:
+    """The run's `PolicyBundle`, loaded once per process (from `policy0`; `engine_at` sets weights)."""
+    from ..engine import LocalEngine
+    from ..harness.conversation import ChatFormat
+    from ..model import load_policy, stop_token_ids
+
+    def make():
+        model, tok = load_policy(str(run.policy0), device=run.cfg.model.device)
+        stops = stop_token_ids(model, tok)
+        engine = LocalEngine(model, stops, version=-1, seed=run.cfg.run.seed)
+        return PolicyBundle(engine, tok, ChatFormat(tok), {i: tok.decode([i]) for i in stops})
+
+    return run.cached("policy", make)
+
+
+def engine_at(run: RunDir, version: int):
+    """The bundle's engine holding published policy `version` (`CONTROL_VERSION`: the control's)."""
+    from ..trainer.publish import load_weights
+
+    eng = policy_bundle(run).engine
+    if eng.version != version:
+        uri = run.weights_uri("control" if version == CONTROL_VERSION else version)
+        eng.set_weights(load_weights(uri), version)
+    return eng
+
+
+def env_factory(run: RunDir, rollout: bool = False):
+    """Makes the run's environments; RL rollouts (`rollout=True`) get `env.latency_s` added per step."""
+    from ..envs import LatencyEnv, load_env
+
+    cfg = run.cfg.env
+    if rollout and cfg.latency_s > 0:
+        return lambda: LatencyEnv(load_env(cfg.target, **cfg.kwargs), cfg.latency_s)
+    return lambda: load_env(cfg.target, **cfg.kwargs)
+
+
+def run_policy(run: RunDir, specs, policy, on_finish=None, rollout: bool = False) -> list:
+    """Run `specs` through the harness with `policy` on the run's environments; the finished records."""
+    from ..harness.loop import run_executions
+
+    b = policy_bundle(run)
+    return run_executions(specs, policy, run.cfg.harness, env_factory(run, rollout), b.chat, b.stop_texts,
+                          run.cfg.rollout.concurrency, on_finish)
+
+
+# -- the run's records in the lake ------------------------------------------------------------------
+
+
+def run_lake(run: RunDir):
+    from ..lake import Lake
+
+    return run.cached("lake", lambda: Lake.from_config(run.cfg.lake))
+
+
+def write_records(run: RunDir, part: str, records) -> None:
+    from ..lake.schema import calls_table, executions_table
+
+    run_lake(run).write_part(run.run_id, part, {"executions": executions_table(records),
+                                                "calls": calls_table(records)})
+
+
+def read_records(run: RunDir, part: str, skip: set[str] | frozenset[str] = frozenset()) -> list:
+    """The part's execution records, less those in `skip` (whose calls are then never rebuilt)."""
+    from ..lake.schema import read_executions
+
+    lake = run_lake(run)
+    ex, calls = lake.read("executions", run.run_id, part), lake.read("calls", run.run_id, part)
+    if skip:
+        import pyarrow.compute as pc
+
+        drop = pa.array(sorted(skip), pa.string())
+        ex = ex.filter(pc.invert(pc.is_in(ex["execution_id"], value_set=drop)))
+        calls = calls.filter(pc.invert(pc.is_in(calls["execution_id"], value_set=drop)))
+    return read_executions(ex, calls)
+
+
+def replayed_records(run: RunDir, part: str) -> list:
+    """A part of the replayed run (`run.replay`), as this run's records (same executions, this run's id)."""
+    records = run_lake(run).read_records(run.cfg.run.replay, part)
+    for r in records:
+        r.run_id = run.run_id
+    return records
+
+
+# -- the trainer and the tracker ----------------------------------------------------------------------
+
+
+def trainer_at(run: RunDir, version: int):
+    """The RL trainer holding policy `version`, resumed from its checkpoint when not in memory."""
+    from ..model import load_policy
+    from ..trainer.trainer import Trainer
+
+    held = run.cached("trainer", lambda: None)
+    if held is not None and held[1] == version:
+        return held[0]
+    cfg = run.cfg
+    model, tok = load_policy(str(run.warm), device=cfg.model.device)
+    trainer = Trainer(model, lr=cfg.rl.lr, zero_stage=cfg.trainer.zero_stage, grad_clip=cfg.rl.grad_clip,
+                      optimizer=cfg.rl.optimizer, pad_id=tok.pad_token_id or 0)
+    if version > 0:
+        state = trainer.load(str(run.ckpt), ckpt_tag(version))
+        restore_rng(state.get("rng"))
+    hold_trainer(run, trainer, version)
+    return trainer
+
+
+def hold_trainer(run: RunDir, trainer, version: int) -> None:
+    """Keep `trainer` (holding `version`) for the next phase in this process."""
+    run.drop_cached("trainer")
+    run.cached("trainer", lambda: (trainer, version))
+
+
+def drop_trainer(run: RunDir) -> None:
+    """Forget the held trainer: the next `trainer_at` reloads it from its checkpoint."""
+    run.drop_cached("trainer")
+
+
+def rng_state() -> dict:
+    """The host RNG state a checkpoint carries (so a resumed run draws what the uninterrupted one would)."""
+    import torch
+
+    return {"python": random.getstate(), "torch": torch.get_rng_state()}
+
+
+def restore_rng(state: dict | None) -> None:
+    import torch
+
+    if state:
+        random.setstate(state["python"])
+        torch.set_rng_state(state["torch"])
+
+
+def tracker(run: RunDir):
+    """The run's one MLflow run (created on first use, reopened by the id in the run directory), with
+    the resolved config as params and the run directory, lake root and preset as tags."""
+    from ..tracking import Tracker, flatten
+
+    def make():
+        t = Tracker(run.cfg.tracking.uri, run.cfg.tracking.experiment, run.path, run.run_id)
+        t.log_params(flatten(run.cfg.model_dump(mode="json")))
+        t.set_tags({"gyre.run_id": run.run_id, "gyre.run_dir": str(run.path), "gyre.lake_root": run.cfg.lake.root,
+                    "gyre.preset": run.cfg.preset})
+        return t
+
+    return run.cached("tracker", make)
