@@ -66,7 +66,7 @@ def _real_config(policy: str, root: str, steps: int, eval_episodes: int):
 def run_real(policy: str, root: str, steps: int, eval_episodes: int) -> dict:
     """One real K = 2 run of `policy`: warm start, the elastic RL phase, evaluation before and after."""
     from gyre_core import phases
-    from gyre_core.run import RunDir
+    from gyre_core.run import RunDir, step_part
 
     cfg = _real_config(policy, root, steps, eval_episodes)
     run_dir = phases.prepare(cfg)
@@ -77,9 +77,7 @@ def run_real(policy: str, root: str, steps: int, eval_episodes: int) -> dict:
     wall = time.time() - t0
     after = phases.evaluate(run_dir, "after")
     run = RunDir.open(run_dir)
-    records = phases.run_objects.read_records(run, "step=0")
-    for s in range(1, steps):
-        records += phases.run_objects.read_records(run, f"step={s}")
+    records = [r for s in range(steps) for r in phases.run_objects.read_records(run, step_part(s))]
     times = [[(c.t_start, c.t_end) for c in r.calls] for r in records if r.status != "failed"]
     return {"summary": summary, "wall_s": wall, "records_calls": [r.turns for r in records],
             "turn_times": turn_times(times),

@@ -232,7 +232,7 @@ def check_elastic(device: str = "cuda", steps: int = 3, root: str | None = None)
     from gyre_core import phases
     from gyre_core.config import load_config
     from gyre_core.elastic.runtime import run_elastic
-    from gyre_core.phases.elastic import HarnessWork
+    from gyre_core.phases.rl_on_cells import HarnessWork
 
     root = root or tempfile.mkdtemp(prefix="gyre-gpu-")
     out: dict = {}

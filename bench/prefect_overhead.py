@@ -121,10 +121,10 @@ def _prefect(preset: str, overrides: list[str], n: int, home: Path, run_dir: str
 def _same_weights(a: str, b: str, version: int) -> bool:
     import torch
 
+    from gyre_core.run import RunDir
     from gyre_core.trainer.publish import load_weights
 
-    wa = load_weights(str(Path(a) / "weights" / f"v{version}.safetensors"))
-    wb = load_weights(str(Path(b) / "weights" / f"v{version}.safetensors"))
+    wa, wb = (load_weights(RunDir.open(d).weights_uri(version)) for d in (a, b))
     return wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
 
 

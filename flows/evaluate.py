@@ -1,5 +1,5 @@
 """A checkpoint on the preset's held-out seeds, with the same seeds and sampling as a run's before/after
-evaluation (`gyre_core.phases.checkpoint`).
+evaluation (`gyre_core.phases.evaluate_checkpoint`).
 
 `checkpoint` is a run directory (its newest published version), an HF model directory, or an MLflow URI
 such as `runs:/<mlflow run id>/policy`. The executions land in the lake as run `eval-<label>`, the result
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from prefect import flow
 
-from gyre_core.phases.checkpoint import check_label
+from gyre_core.phases.evaluate_checkpoint import check_label
 from gyre_core.config import load_config
 from tasks import ops
 

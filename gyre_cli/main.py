@@ -91,7 +91,7 @@ def cmd_train(args) -> int:
 
 def cmd_evaluate(args) -> int:
     """A checkpoint (run directory, HF model directory or MLflow URI) on the preset's held-out seeds."""
-    from gyre_core.phases.checkpoint import check_label, format_result, is_mlflow_uri, resolve_local
+    from gyre_core.phases.evaluate_checkpoint import check_label, format_result, is_mlflow_uri, resolve_local
     from gyre_core.config import ConfigError, load_config
     from gyre_core.run import CheckpointError
 
@@ -160,13 +160,14 @@ def cmd_lake(args) -> int:
     """Maintenance of the lake: compact finished steps, check files (quarantining bad ones), clean up."""
     from gyre_core.config import ConfigError, load_config
     from gyre_core.lake import Lake
+    from gyre_core.lake.compaction import compact
 
     try:
         lake_cfg = load_config(args.preset).lake
         lake = Lake(args.lake, dict(lake_cfg.storage_options or {})) if args.lake else Lake.from_config(lake_cfg)
         runs = [args.run] if args.run else lake.runs()
         if args.action == "compact":
-            out = [lake.compact(r, target_mb=args.target_mb, include_latest=args.include_latest) for r in runs]
+            out = [compact(lake, r, target_mb=args.target_mb, include_latest=args.include_latest) for r in runs]
             for r in out:
                 print(f"{r['run_id']}: {r['parts']} parts, {r['files_before']} files -> {r['files_after']}",
                       file=sys.stderr)

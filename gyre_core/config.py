@@ -184,7 +184,7 @@ class RLConfig(_Section):
     entropy_coef: float = Field(0.0, ge=0)
     """An entropy bonus: the loss subtracts this × the policy's entropy at each trained token, weighted as
     the policy loss is (0: none). Under Adam a consistent term outweighs a noisy policy gradient even when
-    small: on `default` 0.0005 already drove the policy to 0% (README ablations)."""
+    small: on `default` 0.0005 already drove the policy to 0% (docs/experiments/rl-pays.md)."""
     optimizer: Literal["adamw", "sgd"] = "adamw"
     """The RL update's optimizer. `sgd`: plain gradient descent, the step proportional to the (clipped)
     gradient — Adam scales each weight's step to about ±lr whatever the gradient's size, which lets a small
@@ -378,7 +378,7 @@ class GyreConfig(_Section):
 
 def apply_threads(cfg: GyreConfig) -> None:
     """Set torch's intra-op threads from `run.threads` (0 leaves torch's default). Called where a run's
-    work starts (`phases.prepare`, `phases.checkpoint.evaluate_checkpoint`), so every entry — the CLI, a
+    work starts (`phases.prepare`, `phases.evaluate_checkpoint.evaluate_checkpoint`), so every entry — the CLI, a
     worker's flow run — honours it."""
     if cfg.run.threads:
         import torch

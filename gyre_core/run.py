@@ -11,7 +11,8 @@
 
 Every step is idempotent: it looks at its marker first and returns what it produced before. Models,
 engines and trainers are cached per process so consecutive Prefect tasks do not reload them
-(`gyre_core.phases.run_objects`). The names of markers and lake parts are made here and nowhere else.
+(`gyre_core.phases.run_objects`). The names of per-step markers, lake parts and checkpoint tags are made
+here (a step's part in `gyre_core.lake.store`, which parses it); a phase done once marks its own name.
 """
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ from pathlib import Path
 import yaml
 
 from .config import ConfigError, GyreConfig
+from .lake.store import STEP_PART_PREFIX, step_part  # noqa: F401  (a step's part: the lake parses it)
 
 _CACHE: dict[tuple[str, str], object] = {}
 
@@ -47,14 +49,6 @@ def ckpt_tag(version: int) -> str:
 
 def eval_marker(label: str) -> str:
     return f"eval_{label}"
-
-
-STEP_PART_PREFIX = "step="
-
-
-def step_part(step: int) -> str:
-    """The lake part of an RL step's executions (negative steps too: `step=-1`)."""
-    return f"{STEP_PART_PREFIX}{int(step)}"
 
 
 def score_part(step: int) -> str:

@@ -1,14 +1,20 @@
-"""Every random stream of a run, derived from `run.seed` in one place.
+"""Every random stream of a run, derived from `run.seed` here (figures are reproducible because of it).
 
-A run's outcomes are reproducible because each consumer of randomness draws from its own stream, keyed
-by what it is for, never from a shared generator whose draws depend on what ran before:
+Each consumer of randomness seeds its own generator from one of these functions, never from a shared
+generator whose draws depend on what ran before:
 
-    stream(seed, k)              the k-th stream of a run: seed · 1 000 003 + k
-    rollout_stream(seed, step)   RL step `step`'s sampling and fork choices (step n: stream n)
-    eval_stream(seed)            held-out evaluation: the same stream before and after RL (paired)
-    cell_stream(seed, cell)      an elastic cell's engine
-    sampling_seed(seed, step)    the processor's bounded-dedup path sampling of a step
+    rollout_stream(seed, step)     RL step `step`'s sampling and fork choices        seed · 1 000 003 + step
+    eval_stream(seed)              every held-out evaluation (paired before/after)  seed · 1 000 003 + 999 983
+    cell_stream(seed, cell)        an elastic cell's engine                         seed · 1 000 003 + cell
+    sampling_seed(seed, step)      the processor's path sampling of a step          seed · 7919 + step
+    supervised_stream(seed, k)     behaviour cloning's batch draws (k: 0 the warm start, 1 the control)
+                                                                                    seed + k
+    stream(seed, k)                the general form, for the environments' own draws (BabyAI's tokenizer
+                                   corpus, the emulated workload's call counts)
 
+Streams of different purposes can hold the same number (cell c's engine and rollout step c; run seed 1's
+warm start and run seed 0's control): they feed independent generators, so this costs nothing but is not
+a separation to rely on. Changing any formula here changes every figure measured with it.
 Task seeds (which environments a run sees) are ranges in the config (`env.train_seed_start`,
 `env.eval_seed_start`, `DEMO_SEED_OFFSET`), not streams.
 """
@@ -36,3 +42,7 @@ def cell_stream(seed: int, cell: int) -> int:
 
 def sampling_seed(seed: int, step: int) -> int:
     return seed * 7919 + step
+
+
+def supervised_stream(seed: int, k: int) -> int:
+    return seed + k

@@ -11,7 +11,7 @@
 #            them through the queues' concurrency limits; a running worker cannot change its queues)
 #   DEVICES  one CUDA_VISIBLE_DEVICES value per worker, e.g. `0,1`; `none` hides every GPU (CPU work)
 #
-# Environment (export it, or put it in infra/gpu-host.env, which is read if present; see infra/README.md):
+# Environment (export it, or put it in infra/gpu-host.env, which is read if present; see docs/operations.md):
 #   GYRE_HOME              project checkout on this host (default: this script's ..); flow runs start there
 #   GYRE_PYTHON            its Python (default: $GYRE_HOME/.venv/bin/python)
 #   GYRE_LOG_DIR           logs and pid files (default: $GYRE_HOME/data/workers)

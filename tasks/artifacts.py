@@ -26,9 +26,9 @@ def link_run(run_dir: str) -> dict[str, str]:
     and the flow-run tags `gyre-run:<run id>`, `mlflow-run:<mlflow run id>`."""
     fid = str(flow_run.id) if flow_run.id else "none"
     info = phases.tag_run(run_dir, {"prefect.flow_run_id": fid, "prefect.flow_run_name": flow_run.name or "none",
-                                   "prefect.deployment": deployment.name or "none",
-                                   "prefect.flow_run_url": flow_run.ui_url or "none"},
-                         append={"prefect.flow_run_ids": fid})
+                                    "prefect.deployment": deployment.name or "none",
+                                    "prefect.flow_run_url": flow_run.ui_url or "none"},
+                          append={"prefect.flow_run_ids": fid})
     hint = f" Serve the UI first: `{info['hint']}`." if info["hint"] else ""
     create_link_artifact(key=artifact_key(info["run_id"], "mlflow"), link=info["url"],
                          link_text=f"MLflow run {info['mlflow_run_id']}",

@@ -1,4 +1,4 @@
-"""Thin Prefect tasks of the `evaluate` and `lake-maintenance` flows, over `gyre_core.phases.checkpoint` and
+"""Thin Prefect tasks of the `evaluate` and `lake-maintenance` flows, over `gyre_core.phases.evaluate_checkpoint` and
 `gyre_core.lake.maintenance`. They pass the preset and overrides, run ids and small dicts, never tensors.
 """
 from __future__ import annotations
@@ -8,7 +8,7 @@ from prefect import task
 from gyre_core.config import load_config
 from gyre_core.lake import Lake
 from gyre_core.lake import maintenance as lm
-from gyre_core.phases.checkpoint import evaluate_checkpoint as evaluate
+from gyre_core.phases import evaluate_checkpoint as checkpoints
 
 
 def _lake(preset: str, overrides: list[str]) -> Lake:
@@ -18,7 +18,7 @@ def _lake(preset: str, overrides: list[str]) -> Lake:
 # a bad checkpoint fails once, naming it; the evaluation itself is deterministic
 @task(name="evaluate-checkpoint", task_run_name="evaluate-{label}", retries=0)
 def evaluate_checkpoint(checkpoint: str, preset: str, overrides: list[str], label: str) -> dict:
-    return evaluate(load_config(preset, overrides), checkpoint, label)
+    return checkpoints.evaluate_checkpoint(load_config(preset, overrides), checkpoint, label)
 
 
 @task(name="lake-runs")

@@ -29,7 +29,7 @@ sys.path.insert(0, str(ROOT))
 from gyre_core import phases  # noqa: E402
 from gyre_core.config import load_config  # noqa: E402
 from gyre_core.evaluation import EvalResult, paired  # noqa: E402
-from gyre_core.run import RunDir  # noqa: E402
+from gyre_core.run import DEMOS_PART, RunDir, eval_marker, step_marker  # noqa: E402
 
 # what a variant may change: everything downstream of the warm start and the "before" evaluation
 VARIANT_SECTIONS = ("rl.", "rollout.", "processor.")
@@ -72,14 +72,14 @@ def _variant_run(base: RunDir, name: str, preset: str, overrides: list[str], ext
     for sub in ("batches", "ckpt"):
         (path / sub).mkdir(exist_ok=True)
     for m in (path / "markers").glob("*.json"):
-        if m.stem not in ("prepare", "warm_start", "eval_before"):
+        if m.stem not in ("prepare", "warm_start", eval_marker("before")):
             m.unlink()
     root = base.path.parent
     cfg = load_config(preset, overrides + extra + [f"run.name=ablation-{name}", f"run.out_root={root}",
                                                    f"lake.root={root}/lake",
                                                    f"tracking.uri=sqlite:///{path}/mlflow.db"])
     (path / "config.yaml").write_text(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
-    _copy_part(base, cfg.run_id(), "demos")   # the control trains on the warm start's demonstrations too
+    _copy_part(base, cfg.run_id(), DEMOS_PART)   # the control trains on the warm start's demonstrations too
     return RunDir.open(path)
 
 
@@ -101,7 +101,7 @@ def run_control(base: RunDir, name: str, preset: str, overrides: list[str], minu
 
 def _row(base: RunDir, name: str, overrides: list[str], after: dict, seconds: float, **extra) -> dict:
     """One table row: the variant's sampled success against the shared "before", paired by seed."""
-    b, a = (EvalResult(**x["sampled"]) for x in (base.done("eval_before"), after))
+    b, a = (EvalResult(**x["sampled"]) for x in (base.done(eval_marker("before")), after))
     diff = paired(b, a)
     return {"setting": name, "overrides": overrides, "before": b.success, "after": a.success,
             "diff": diff.mean, "ci95_low": diff.ci95_low, "ci95_high": diff.ci95_high, "episodes": b.episodes,
@@ -118,7 +118,7 @@ def run_variant(base: RunDir, name: str, preset: str, overrides: list[str], extr
         phases.process(d, step)
         phases.train(d, step)
         phases.publish(d, step)
-        ro, tr = run.done(f"rollout_{step:04d}"), run.done(f"train_{step:04d}")
+        ro, tr = run.done(step_marker("rollout", step)), run.done(step_marker("train", step))
         backtracks = tr.get("kl_backtracks", 0)
         curve.append({"step": step, "success": ro["success"], "partial": ro["partial"], "kl": tr["kl"],
                       "entropy": tr["entropy"], "kl_backtracks": backtracks})
@@ -168,7 +168,7 @@ def main(argv: list[str] | None = None) -> None:
     out_root = Path(args.out_root).resolve()
     out_root.mkdir(parents=True, exist_ok=True)
     base = _base_run(args.preset, overrides, out_root)
-    b = base.done("eval_before")
+    b = base.done(eval_marker("before"))
     print(f"warm start: sampled {b['sampled']['success']:.3f}"
           + (f", random {b['random']['success']:.3f}" if "random" in b else "")
           + f" ({base.done('warm_start')['wall_s']:.0f} s)", flush=True)

@@ -24,11 +24,11 @@ import yaml
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from gyre_core.evaluation import paired_difference  # noqa: E402
-from gyre_core.run import RunDir  # noqa: E402
+from gyre_core.run import RunDir, eval_marker  # noqa: E402
 
 
 def _outcomes(run: RunDir, label: str, metric: str) -> tuple[list[int], list[float]] | None:
-    m = run.done(f"eval_{label}")
+    m = run.done(eval_marker(label))
     if m is None:
         return None
     key = "successes" if metric == "success" else "partials"

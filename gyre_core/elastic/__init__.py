@@ -17,7 +17,7 @@ Modules, bottom up:
                  gradient accumulation keeps the update equal to the non-streamed one; staleness bound.
 - `agent`      — the cell agent process (`python -m gyre_core.elastic.agent`): emulated or real device work.
 - `work`       — what runs on the fleet (the `Work` protocol) and its emulated kind; the real harness, env
-                 and model are `gyre_core.phases.elastic.HarnessWork`, above this package.
+                 and model are `gyre_core.phases.rl_on_cells.HarnessWork`, above this package.
 - `connections` — the coordinator's side of the agents: starts them (a launcher), carries their messages
                  (a reader and a writer thread per cell), stops them.
 - `runtime`    — the coordinator: applies the policy, feeds micro-steps, loses cells, measures.

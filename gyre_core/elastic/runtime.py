@@ -121,7 +121,7 @@ class ElasticResult:
 class Coordinator:
     def __init__(self, ecfg: ElasticConfig, work: Work | Workload, *, kill_cell_at: tuple[int, float] | None = None,
                  policy=None, on_version=None, on_role=None, launcher: Launcher | None = None):
-        """`work`: any `Work` (`EmulatedWork`, `gyre_core.phases.elastic.HarnessWork`; a `Workload` is
+        """`work`: any `Work` (`EmulatedWork`, `gyre_core.phases.rl_on_cells.HarnessWork`; a `Workload` is
         emulated); it starts at burst `work.first_step` (a resumed run: weights of that version are
         published). `on_version(v, stats)` is called as each version is published, with the summed
         statistics of the micro-steps that made it; `on_role(cell, role, reason)` once per cell with its
@@ -140,7 +140,7 @@ class Coordinator:
         self.order: list[int] = []            # alive cells, core first
         self.router = Router(ecfg.capacity, self.connections.send, self._on_rollout_busy)
         self.stream = MicroStepQueue(ecfg.micro_step_executions, self.staleness)
-        self.first = getattr(self.work, "first_step", 0)   # a resumed run: versions before it are published
+        self.first = self.work.first_step     # a resumed run: versions before it are published
         self.version = self.next_burst = self.first
         self.dispatched = self.finished = 0
         self.updating = False
@@ -489,6 +489,6 @@ class Coordinator:
 
 def run_elastic(ecfg: ElasticConfig, work: Work | Workload, **kw) -> ElasticResult:
     """Start `ecfg.cells` agents, run `work` (a `Workload` or `EmulatedWork`: emulated; a
-    `phases.elastic.HarnessWork`: real) under `ecfg.policy`, stop them, return the measurements."""
+    `phases.rl_on_cells.HarnessWork`: real) under `ecfg.policy`, stop them, return the measurements."""
     check_fleet(ecfg)
     return Coordinator(ecfg, work, **kw).run()

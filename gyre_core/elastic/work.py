@@ -8,7 +8,7 @@ the cell, and the extra arguments a cell agent needs.
 - `EmulatedWork(workload)` (here): each execution makes the workload's n calls (TOKENS_PER_CALL tokens each,
   `call_s` of emulated device time) with `env_s` of environment latency after each; a micro-step costs
   `train_s_per_call` per call of its executions; the cells wait instead of computing.
-- `gyre_core.phases.elastic.HarnessWork`: the run's environment and agent harness, with model calls through
+- `gyre_core.phases.rl_on_cells.HarnessWork`: the run's environment and agent harness, with model calls through
   the router to real cells that decode and train the run's model. It lives with the elastic phase, above
   this package: the scheduler knows work only through this protocol.
 """
@@ -34,6 +34,7 @@ class Work(Protocol):
 
     mode: str                    # "emulated" or "real": real cells decode and train a model
     steps: int
+    first_step: int              # a resumed run starts at its newest published version
     switch_to_train_s: float     # emulated seconds a role switch costs (0 for real cells: they do the work)
     switch_to_rollout_s: float
 
@@ -64,7 +65,7 @@ class EmulatedWork:
 
     def __init__(self, workload: Workload) -> None:
         self.w = workload
-        self.steps = workload.steps
+        self.steps, self.first_step = workload.steps, 0
         self.switch_to_train_s, self.switch_to_rollout_s = workload.switch_to_train_s, workload.switch_to_rollout_s
         self.logs: list[ExecutionLog] = []
 

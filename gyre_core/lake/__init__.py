@@ -1,5 +1,5 @@
 """The trajectory lake: Parquet tables committed by manifests (store), their schemas (schema),
-and read-only SQL over them with DuckDB (sql). See data/README.md for the tables and layout."""
+and read-only SQL over them with DuckDB (sql). See docs/lake.md for the tables and layout."""
 from gyre_core.lake.schema import (
     CALLS,
     EXECUTIONS,

@@ -15,6 +15,7 @@ import time
 from typing import Any
 
 from gyre_core.config import ConfigError
+from gyre_core.lake.compaction import compact, compactable
 from gyre_core.lake.store import Lake
 
 BUSY_S = 3600.0        # a run that committed or wrote a part this recently may be running
@@ -74,15 +75,15 @@ def check_run(lake: Lake, run: str, dry_run: bool = False) -> list[dict[str, Any
 
 def compact_run(lake: Lake, run: str, dry_run: bool = False, target_mb: float = 256.0,
                 now: float | None = None) -> dict[str, Any]:
-    """Merge the run's finished steps (`Lake.compact`); with `dry_run` name the parts it would merge."""
+    """Merge the run's finished steps (`compaction.compact`); with `dry_run` name the parts it would merge."""
     now = time.time() if now is None else now
     usage = lake.usage(run)
     if usage["newest_uncommitted"] is not None and now - usage["newest_uncommitted"] < BUSY_S:
         return {"run_id": run, "skipped": "a part is being written", "parts": 0}
     if dry_run:
-        parts = lake.compactable(run)
+        parts = compactable(lake, run)
         return {"run_id": run, "would_merge": parts, "parts": len(parts)}
-    return lake.compact(run, target_mb=target_mb)
+    return compact(lake, run, target_mb=target_mb)
 
 
 def maintenance_report(lake_root: str, runs: list[str], retention: list[dict[str, Any]],

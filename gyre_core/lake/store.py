@@ -20,10 +20,9 @@ Also here, each a method of `Lake`:
     entry is dropped, a warning names the path, and every read goes on with the rest.
   * cleanup: `cleanup(run)` removes what a crashed writer left (parts without a manifest, temp files,
     unlisted files) and finishes an interrupted compaction.
-  * compaction: `compact(run)` merges the files of finished RL steps (`step=N`, `score=N`, `process=N`
-    below the run's newest step) into one file per table in a `compacted-<id>` part; its manifest is the
-    commit, after which the covered parts keep their manifests (the completion markers) with
-    `compacted_into` and no files of their own. Query results do not change.
+  * compaction's last act: after a `compacted-<id>` part's manifest (the commit; `gyre_core.lake.compaction`
+    writes it), the parts it covers keep their manifests (the completion markers) with `compacted_into`
+    and no files of their own (`_retire_covered`; `cleanup` finishes an interrupted one).
   * retention: `usage(run)` says what a run holds and when it last committed or wrote; `delete_run(run)`
     removes its manifests (readers stop seeing it), then its files; nothing goes to quarantine.
 """
@@ -48,7 +47,6 @@ from fsspec.implementations.local import LocalFileSystem
 
 from gyre_core.lake.schema import ADDED_IN, METADATA_KEY, SCHEMAS, read_executions
 from gyre_core.records import SCHEMA_VERSION, ExecutionRecord
-from gyre_core.run import step_part  # noqa: F401  (the lake's part names are the run's)
 
 MANIFEST = "_MANIFEST.json"
 MIN_READ_VERSION = 1                           # the oldest lake schema version this code reads
@@ -60,6 +58,12 @@ _TABLE = re.compile(r"^[a-z][a-z0-9_]*$")
 _STEP_PART = re.compile(r"^(step|score|process)=(-?\d+)$")   # the parts compaction may merge
 _verified: set[tuple[str, str, int, str]] = set()   # (protocol, path, bytes, written_at) checked this process
 _verified_lock = threading.Lock()
+STEP_PART_PREFIX = "step="
+
+
+def step_part(step: int) -> str:
+    """The part label of an RL step's executions (negative steps too: `step=-1`)."""
+    return f"{STEP_PART_PREFIX}{int(step)}"
 
 
 class LakeVersionError(ValueError):
@@ -473,83 +477,7 @@ class Lake:
                 report["compactions_finished"] += self._retire_covered(run_id, p, m)
         return report
 
-    # ---- compaction --------------------------------------------------------------------------
-    def compact(self, run_id: str, target_mb: float = 256.0, include_latest: bool = False) -> dict[str, Any]:
-        """Merge the files of a run's finished RL steps into compacted parts (one file per table each).
-
-        Finished: `step=N`, `score=N`, `process=N` parts with N below the run's newest committed step
-        (that one may still be in flight; `include_latest=True` takes it too). Query results are unchanged.
-        """
-        if not self._writable:
-            self.check_writable()
-        for m in self.manifests(run_id):     # an interrupted compaction first (never a writer's parts:
-            if m["part"].startswith(COMPACTED):   # the run may be in flight)
-                self._retire_covered(run_id, m["part"], m)
-        steps, todo = self._finished_steps(run_id, include_latest)
-        if not steps:
-            return {"run_id": run_id, "compactions": [], "parts": 0, "files_before": 0, "files_after": 0}
-        groups, size = [[]], 0
-        for m in todo:                      # consecutive parts, up to target_mb of files per compaction
-            b = sum(e["bytes"] for e in m["files"].values())
-            if groups[-1] and size + b > target_mb * (1 << 20):
-                groups.append([])
-                size = 0
-            groups[-1].append(m)
-            size += b
-        made, files_before, files_after = [], 0, 0
-        for group in (g for g in groups if g):
-            label = f"{COMPACTED}{uuid.uuid4().hex[:12]}"
-            tables: dict[str, list[pa.Table]] = {}
-            kept = []
-            for m in group:
-                read = {t: pq.read_table(e["path"], filesystem=self.fs)
-                        for t in m["files"] for e in self.entries(t, manifests=[m])}
-                # a part's rows are found again in the merged file by their step: only parts whose rows
-                # all carry the step of their label are merged (the others stay as they are)
-                if not read or any(t.num_rows and pc.min_max(t.column("step")).as_py() !=
-                                   {"min": steps[m["part"]], "max": steps[m["part"]]} for t in read.values()):
-                    continue
-                kept.append(m)
-                for t, rows in read.items():
-                    tables.setdefault(t, []).append(rows)
-                files_before += len(m["files"])
-            if not kept:
-                continue
-            group = kept
-            d = self.part_dir(run_id, label)
-            self.fs.makedirs(d, exist_ok=True)
-            files = {}
-            for table, parts in sorted(tables.items()):
-                merged = pa.concat_tables(parts, promote_options="permissive")
-                fname = f"{table}.parquet"
-                size = self._put(f"{d}/{fname}",
-                                 lambda f, t=_with_version(merged): pq.write_table(t, f, row_group_size=1 << 20))
-                files[table] = {"file": fname, "rows": merged.num_rows, "bytes": size}
-            body = {"format": "gyre-lake", "schema_version": SCHEMA_VERSION, "run_id": run_id, "part": label,
-                    "written_at": datetime.now(timezone.utc).isoformat(), "files": files,
-                    "covers": [m["part"] for m in group]}
-            self._put_json(f"{d}/{MANIFEST}", body)              # the commit
-            self._retire_covered(run_id, label, body)
-            files_after += len(files)
-            made.append({"part": label, "covers": body["covers"], "rows": {t: v["rows"] for t, v in files.items()}})
-        return {"run_id": run_id, "compactions": made, "parts": sum(len(c["covers"]) for c in made),
-                "files_before": files_before,
-                "files_after": files_after}
-
-    def _finished_steps(self, run_id: str, include_latest: bool) -> tuple[dict[str, int], list[dict[str, Any]]]:
-        """(the step of each uncompacted step part, the manifests of those `compact` takes, in step order)."""
-        ms = [m for m in self.manifests(run_id) if not m.get("compacted_into") and not m.get("covers")]
-        steps = {m["part"]: int(_STEP_PART.match(m["part"]).group(2)) for m in ms if _STEP_PART.match(m["part"])}
-        newest = max(steps.values(), default=0)
-        todo = sorted((m for m in ms if m["part"] in steps and (include_latest or steps[m["part"]] < newest)
-                       and m["files"]), key=lambda m: (steps[m["part"]], m["part"]))
-        return steps, todo
-
-    def compactable(self, run_id: str, include_latest: bool = False) -> list[str]:
-        """The parts `compact` would merge now (a dry run; a part whose rows carry another step is skipped
-        only when merging)."""
-        return [m["part"] for m in self._finished_steps(run_id, include_latest)[1]]
-
+    # ---- compaction (`gyre_core.lake.compaction`): what a compaction's commit leaves behind --------
     def _retire_covered(self, run_id: str, label: str, body: dict[str, Any]) -> int:
         """After a compaction's commit: its parts keep their manifests (completion markers) without files."""
         done = 0

@@ -1,7 +1,7 @@
 """Held-out evaluation: the one loop that scores a policy on the config's held-out seeds.
 
     evaluate(run_dir, "before")      # a run's warm start (v0); "after": its newest version; "control"
-    records, summaries = held_out(cfg, label, modes, ...)   # the loop itself (`phases.checkpoint` uses it too)
+    records, summaries = held_out(cfg, label, modes, ...)   # the loop itself (`phases.evaluate_checkpoint` uses it too)
 
 Every evaluation draws the same seeds (`env.eval_seed_start` + i for i < `eval.episodes`) and the same
 sampling stream (`seeds.eval_stream`), so a run's before/after and any checkpoint's figures are paired.
@@ -27,11 +27,12 @@ class EvalMode:
     episodes: int               # the first `episodes` held-out seeds
 
 
-def eval_modes(cfg: GyreConfig, greedy: bool = True, random: bool = False) -> list[EvalMode]:
+def eval_modes(cfg: GyreConfig, greedy: bool = True, floor: bool = False) -> list[EvalMode]:
+    """Sampled always; greedy (on the first `eval.greedy_episodes` seeds) and the uniform-random floor on request."""
     modes = [EvalMode("sampled", cfg.rollout.temperature, cfg.eval.episodes)]
     if greedy and cfg.eval.greedy_episodes:
         modes.append(EvalMode("greedy", 0.0, min(cfg.eval.greedy_episodes, cfg.eval.episodes)))
-    if random and cfg.eval.random_baseline:
+    if floor and cfg.eval.random_baseline:
         modes.append(EvalMode("random", None, cfg.eval.episodes))
     return modes
 
@@ -81,7 +82,7 @@ def evaluate(run_dir: str, label: str, version: int | None = None) -> dict:
 
     cfg, t0 = run.cfg, time.time()
     b = policy_bundle(run)
-    modes = eval_modes(cfg, greedy=label != "control", random=label == "before")   # the control: sampled, as RL is
+    modes = eval_modes(cfg, greedy=label != "control", floor=label == "before")   # the control: sampled, as RL is
     engine = engine_at(run, version) if any(m.temperature is not None for m in modes) else None
     records, summaries = held_out(
         cfg, label, modes, run.run_id, version, f"{run.run_id}/eval-{label}-",

@@ -97,7 +97,7 @@ def score(run_dir: str, step: int) -> dict:
     t0 = time.time()
     ex = run_lake(run).read("executions", run.run_id, step_part(step)).to_pylist()
     ok = [e for e in ex if e["status"] != "failed"]
-    rewards = {e["execution_id"]: e["reward"] for e in ok}   # set once, in rollout (reward_of)
+    rewards = {e["execution_id"]: e["reward"] for e in ok}   # set once, in rollout (assign_reward)
     found = _kept_as(run, step) if run.cfg.processor.dedup else {}
     kept_as = {i: found.get(i, i) for i in rewards}   # status is in the key: a kept twin is not failed
     mult = Counter(kept_as.values())
@@ -121,8 +121,9 @@ def score(run_dir: str, step: int) -> dict:
     rs = list(rewards.values()) or [0.0]
     mean = sum(rs) / len(rs)
     std = (sum((r - mean) ** 2 for r in rs) / len(rs)) ** 0.5
-    return run.mark(step_marker("score", step), {"reward_mean": mean, "reward_std": std, "excluded": len(ex) - len(ok),
-                                          "collapsed": len(kept_as) - len(mult), "score_s": time.time() - t0})
+    return run.mark(step_marker("score", step), {
+        "reward_mean": mean, "reward_std": std, "excluded": len(ex) - len(ok),
+        "collapsed": len(kept_as) - len(mult), "score_s": time.time() - t0})
 
 
 def _kept_as(run: RunDir, step: int) -> dict[str, str]:

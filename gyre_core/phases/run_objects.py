@@ -18,6 +18,7 @@ from typing import Any
 
 import pyarrow as pa
 
+from ..config import GyreConfig
 from ..run import CONTROL_VERSION, RunDir, ckpt_tag
 
 
@@ -38,17 +39,25 @@ class PolicyBundle:
         return eos if eos in self.stop_texts else min(self.stop_texts)
 
 
+    @classmethod
+    def of(cls, model, tok, seed: int, version: int) -> "PolicyBundle":
+        """A bundle around a loaded model: its engine (holding `version`, sampling from `seed`'s stream)."""
+        from ..engine import LocalEngine
+        from ..harness.conversation import ChatFormat
+        from ..model import stop_token_ids
+
+        stops = stop_token_ids(model, tok)
+        return cls(LocalEngine(model, stops, version=version, seed=seed), tok, ChatFormat(tok),
+                   {i: tok.decode([i]) for i in stops})
+
+
 def policy_bundle(run: RunDir) -> PolicyBundle:
     """The run's `PolicyBundle`, loaded once per process (from `policy0`; `engine_at` sets weights)."""
-    from ..engine import LocalEngine
-    from ..harness.conversation import ChatFormat
-    from ..model import load_policy, stop_token_ids
+    from ..model import load_policy
 
     def make():
         model, tok = load_policy(str(run.policy0), device=run.cfg.model.device)
-        stops = stop_token_ids(model, tok)
-        engine = LocalEngine(model, stops, version=-1, seed=run.cfg.run.seed)
-        return PolicyBundle(engine, tok, ChatFormat(tok), {i: tok.decode([i]) for i in stops})
+        return PolicyBundle.of(model, tok, run.cfg.run.seed, version=-1)
 
     return run.cached("policy", make)
 
@@ -64,23 +73,27 @@ def engine_at(run: RunDir, version: int):
     return eng
 
 
-def env_factory(run: RunDir, rollout: bool = False):
-    """Makes the run's environments; RL rollouts (`rollout=True`) get `env.latency_s` added per step."""
+def env_factory(cfg: GyreConfig, rollout: bool = False):
+    """Makes the config's environments; RL rollouts (`rollout=True`) get `env.latency_s` added per step."""
     from ..envs import LatencyEnv, load_env
 
-    cfg = run.cfg.env
-    if rollout and cfg.latency_s > 0:
-        return lambda: LatencyEnv(load_env(cfg.target, **cfg.kwargs), cfg.latency_s)
-    return lambda: load_env(cfg.target, **cfg.kwargs)
+    env = cfg.env
+    if rollout and env.latency_s > 0:
+        return lambda: LatencyEnv(load_env(env.target, **env.kwargs), env.latency_s)
+    return lambda: load_env(env.target, **env.kwargs)
+
+
+def run_specs(cfg: GyreConfig, bundle: PolicyBundle, specs, policy, on_finish=None, rollout: bool = False) -> list:
+    """Run `specs` through the harness with `policy` on the config's environments; the finished records."""
+    from ..harness.loop import run_executions
+
+    return run_executions(specs, policy, cfg.harness, env_factory(cfg, rollout), bundle.chat, bundle.stop_texts,
+                          cfg.rollout.concurrency, on_finish)
 
 
 def run_policy(run: RunDir, specs, policy, on_finish=None, rollout: bool = False) -> list:
-    """Run `specs` through the harness with `policy` on the run's environments; the finished records."""
-    from ..harness.loop import run_executions
-
-    b = policy_bundle(run)
-    return run_executions(specs, policy, run.cfg.harness, env_factory(run, rollout), b.chat, b.stop_texts,
-                          run.cfg.rollout.concurrency, on_finish)
+    """`run_specs` with the run's config and policy bundle."""
+    return run_specs(run.cfg, policy_bundle(run), specs, policy, on_finish, rollout)
 
 
 # -- the run's records in the lake ------------------------------------------------------------------

@@ -13,6 +13,7 @@ import time
 
 from ..config import DEMO_SEED_OFFSET
 from ..run import CONTROL_DEMOS_PART, DEMOS_PART, RunDir, publish_marker
+from ..seeds import supervised_stream
 from ..ui import phase
 from .run_objects import policy_bundle, read_records, replayed_records, run_policy, write_records
 
@@ -69,7 +70,7 @@ def supervised_lr(ws, step: int, n_steps: int | None) -> float:
 
 
 def behaviour_cloning(run: RunDir, model, tok, records, label: str, n_steps: int | None = None,
-                budget_s: float | None = None, seed_offset: int = 0, on_step=None):
+                      budget_s: float | None = None, seed_offset: int = 0, on_step=None):
     """Behaviour cloning on successful expert executions: batches of `warmstart.batch_size` sequences
     sampled with replacement across steps, a per-token mean over each batch. Stops after `n_steps`
     optimizer steps, or at the first step boundary once `budget_s` seconds have passed. The rate
@@ -83,7 +84,7 @@ def behaviour_cloning(run: RunDir, model, tok, records, label: str, n_steps: int
         s.weights = [1.0 if w else 0.0 for w in s.weights]
     trainer = Trainer(model, lr=supervised_lr(ws, 0, n_steps), zero_stage=cfg.trainer.zero_stage,
                       grad_clip=cfg.rl.grad_clip, pad_id=tok.pad_token_id or 0)
-    rng = random.Random(cfg.run.seed + seed_offset)
+    rng = random.Random(supervised_stream(cfg.run.seed, seed_offset))
     losses: list[float] = []
 
     def more() -> bool:
@@ -143,7 +144,7 @@ def control(run_dir: str, budget_s: float | None = None) -> dict:
     model, tok = load_policy(str(run.warm), device=cfg.model.device)
     left = budget - (time.time() - t0)
     trainer, losses, n_seq = behaviour_cloning(run, model, tok, good, "control: supervised steps",
-                                         budget_s=max(left, 0.0), seed_offset=1)
+                                               budget_s=max(left, 0.0), seed_offset=1)
     save_policy(trainer.model, tok, str(run.control))
     uri = publish_weights(trainer.state_dict(), run.weights_uri("control"))
     return run.mark("control", {"path": str(run.control), "weights": uri, "budget_s": budget,

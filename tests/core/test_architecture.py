@@ -21,6 +21,8 @@ import textwrap
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 LIBRARY = "gyre_core"
 # Prefect, the flows, the tasks, the benchmarks, the operations tools and the CLI (top-level names)
@@ -91,10 +93,11 @@ def forbidden_imports(mods: dict[str, Module], root: Path = ROOT, forbidden=FORB
 
 
 # ---- the import graph and its cycles ----------------------------------------------------------------
-def import_graph(mods: dict[str, Module]) -> dict[str, dict[str, int]]:
+def import_graph(mods: dict[str, Module], parents: bool = False) -> dict[str, dict[str, int]]:
     """module -> {module it imports: first line}, among `mods` only. `from p import x` imports the module
     p.x when there is one, else p; importing a package is importing its __init__ (a namespace package has
-    none). Only what an import names counts: the parent packages' __init__s it also runs do not."""
+    none). With `parents`, the parent packages' __init__s an import also runs count too (`import a.b.c`
+    runs a/__init__ and a/b/__init__), except the importing module's own ancestors (already running)."""
     graph: dict[str, dict[str, int]] = {name: {} for name in mods}
     for m in mods.values():
         for line, target, names in m.imports:
@@ -103,6 +106,10 @@ def import_graph(mods: dict[str, Module]) -> dict[str, dict[str, int]]:
                 hits = subs + ([target] if len(subs) < len(names) else [])
             else:                           # import target
                 hits = [target]
+            if parents:
+                own = {m.name.rsplit(".", k)[0] for k in range(1, m.name.count(".") + 1)}
+                hits += [p for t in hits for p in (t.rsplit(".", k)[0] for k in range(1, t.count(".") + 1))
+                         if p not in own]
             for t in hits:
                 if t in mods and t != m.name:
                     graph[m.name].setdefault(t, line)
@@ -151,9 +158,9 @@ def strongly_connected(graph: dict[str, dict[str, int]]) -> list[list[str]]:
     return sorted(out)
 
 
-def describe_cycles(mods: dict[str, Module]) -> list[str]:
+def describe_cycles(mods: dict[str, Module], parents: bool = False) -> list[str]:
     """One line per cycle: its modules and the imports between them (`a:LINE -> b`)."""
-    graph = import_graph(mods)
+    graph = import_graph(mods, parents)
     lines = []
     for component in strongly_connected(graph):
         inside = set(component)
@@ -188,8 +195,9 @@ _IMPORT_ALL = textwrap.dedent("""
 """)
 
 
-def test_every_library_module_imports_with_the_forbidden_packages_blocked(tmp_path):
-    names = sorted(modules(ROOT, LIBRARY))
+@pytest.mark.parametrize("order", ["sorted", "reversed"])   # an import that works only after another is found
+def test_every_library_module_imports_with_the_forbidden_packages_blocked(tmp_path, order):
+    names = sorted(modules(ROOT, LIBRARY), reverse=order == "reversed")
     out = tmp_path / "failed.json"
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "TOKENIZERS_PARALLELISM": "false", "DO_NOT_TRACK": "1"}
     # cwd is the repository root, so flows/, tasks/, bench/ and gyre_ops/ are importable: only the finder stops them
@@ -208,8 +216,19 @@ def test_no_library_module_imports_a_forbidden_package_even_lazily():
 
 
 def test_no_import_cycle_among_library_modules():
-    cycles = describe_cycles(modules(ROOT, LIBRARY))
+    cycles = describe_cycles(modules(ROOT, LIBRARY), parents=True)
     assert not cycles, "import cycles among gyre_core modules:\n" + "\n".join(f"  {c}" for c in cycles)
+
+
+# the elastic scheduler knows work through its `Work` protocol: nothing of runs, phases or their reports
+ABOVE_ELASTIC = ("gyre_core.phases", "gyre_core.run", "gyre_core.report", "gyre_core.tracking")
+
+
+def test_the_elastic_package_imports_nothing_above_it():
+    graph = import_graph(modules(ROOT, LIBRARY), parents=True)
+    found = [f"{m}:{line} -> {t}" for m, edges in graph.items() if m.startswith("gyre_core.elastic")
+             for t, line in edges.items() if t.startswith(ABOVE_ELASTIC)]
+    assert not found, "gyre_core.elastic imports from above it:\n" + "\n".join(f"  {x}" for x in found)
 
 
 # ---- the checks themselves, on small packages ---------------------------------------------------------
@@ -241,6 +260,17 @@ def test_cycle_detector_finds_lazy_and_relative_cycles_and_nothing_else(tmp_path
         "pkg/c.py": "import pkg\nimport pkg.c\n",       # its package's __init__ and itself: no cycle of two
     })
     assert import_graph(chain)["pkg.c"] == {"pkg": 1} and strongly_connected(import_graph(chain)) == []
+
+    # through a parent package's __init__: c imports pkg.sub.d, which runs pkg/sub/__init__, which imports c
+    hidden = _package(tmp_path / "hidden", {
+        "pkg/__init__.py": "", "pkg/c.py": "from pkg.sub.d import x\n",
+        "pkg/sub/__init__.py": "from pkg import c\n", "pkg/sub/d.py": "x = 1\nfrom pkg.sub import e\n",
+        "pkg/sub/e.py": "",
+    })
+    assert strongly_connected(import_graph(hidden)) == []          # only what the imports name
+    assert import_graph(hidden, parents=True)["pkg.c"] == {"pkg.sub.d": 1, "pkg.sub": 1}
+    assert import_graph(hidden, parents=True)["pkg.sub.d"] == {"pkg.sub.e": 2}   # not its own package
+    assert strongly_connected(import_graph(hidden, parents=True)) == [["pkg.c", "pkg.sub"]]
 
     # a longer ring, entered from outside it: one component of three
     ring = {"x": {"a": 1}, "a": {"b": 1}, "b": {"c": 1}, "c": {"a": 1, "d": 1}, "d": {}}

@@ -15,6 +15,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from gyre_core.lake import Lake, connect, run_sql
+from gyre_core.lake.compaction import compact
 from gyre_core.lake.schema import CALLS, EXECUTIONS, SCORES
 from gyre_core.lake.store import MANIFEST, LakeVersionError
 from gyre_core.records import SCHEMA_VERSION
@@ -218,7 +219,7 @@ def test_compaction_keeps_query_results(where):
     _rl_run(lake, "run2", 2)
     before = [_sql(where, q) for q in QUERIES]
     per_part = {p: lake.read_records("run1", p) for p in ("step=0", "step=2", "step=3")}
-    report = lake.compact("run1")
+    report = compact(lake, "run1")
     # steps 0..2 merged (step 3 is the run's newest, maybe in flight; eval-before is not a step)
     (c,) = report["compactions"]
     assert sorted(c["covers"]) == sorted(f"{k}={s}" for k in ("step", "score") for s in range(3))
@@ -233,8 +234,8 @@ def test_compaction_keeps_query_results(where):
     assert sorted(lake.fs.ls(d1, detail=False)) == [f"{d1}/{MANIFEST}", f"{d1}/payloads"]
     with pytest.raises(ValueError, match="compacted into"):
         lake.write_part("run1", "step=1", _tables(_records("run1", 1)))
-    assert lake.compact("run1")["compactions"] == []       # nothing new to merge
-    more = lake.compact("run1", include_latest=True)        # the run is over: its last step too
+    assert compact(lake, "run1")["compactions"] == []       # nothing new to merge
+    more = compact(lake, "run1", include_latest=True)        # the run is over: its last step too
     assert more["parts"] == 2 and [_sql(where, q) for q in QUERIES] == before
 
 
@@ -245,7 +246,7 @@ def test_interrupted_compaction_never_shows_rows_twice(where):
     real = Lake._retire_covered
     Lake._retire_covered = lambda self, *a: 0              # die right after the compaction's commit
     try:
-        lake.compact("run1")
+        compact(lake, "run1")
     finally:
         Lake._retire_covered = real
     assert lake.manifest("run1", "step=0")["files"]        # the old files are still listed ...
@@ -260,7 +261,7 @@ def test_parts_whose_rows_carry_another_step_are_left_alone(tmp_path):
     lake.write_part("run1", "step=0", _tables(_records(step=7)))    # rows not of step 0
     lake.write_part("run1", "step=1", _tables(_records(step=1)))
     lake.write_part("run1", "step=2", _tables(_records(step=2)))
-    report = lake.compact("run1")
+    report = compact(lake, "run1")
     assert report["compactions"][0]["covers"] == ["step=1"]
     assert sorted(set(lake.read("executions").column("step").to_pylist())) == [1, 2, 7]
 
@@ -383,7 +384,7 @@ def test_delete_run_uncommits_first_then_removes_every_file(where, monkeypatch):
     lake = _lake(where, payload_bytes=12)                  # offloaded payloads too
     _rl_run(lake, "run1", 3)
     _rl_run(lake, "run2", 2)
-    lake.compact("run1")                                   # a compaction part and covered parts
+    compact(lake, "run1")                                   # a compaction part and covered parts
     lake.fs.makedirs(lake.part_dir("run1", "step=9"), exist_ok=True)
     lake.fs.pipe(f"{lake.part_dir('run1', 'step=9')}/executions.parquet", b"an uncommitted part")
     others = _sql(where, "SELECT run_id, step, execution_id, reward FROM executions WHERE run_id = 'run2' ORDER BY ALL")

@@ -18,7 +18,7 @@ from mlflow.tracking import MlflowClient
 from flows.evaluate import evaluate
 from flows.lake_maintenance import lake_maintenance
 from flows.train import train
-from gyre_core.phases.checkpoint import evaluate_checkpoint
+from gyre_core.phases.evaluate_checkpoint import evaluate_checkpoint
 from gyre_core.config import load_config
 from gyre_core.lake import MANIFEST, Lake, calls_table, connect, executions_table
 from gyre_core.lake.schema import SCORES

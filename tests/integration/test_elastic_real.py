@@ -224,16 +224,16 @@ def test_a_crashed_elastic_phase_resumes_at_the_newest_published_version(tmp_pat
     run_dir = phases.prepare(cfg)
     phases.warm_start(run_dir)
     run = RunDir.open(run_dir)
-    land = phases.elastic.land_elastic_step
+    land = phases.rl_on_cells.land_elastic_step
 
     def crash_after_step_1(run_, t, step, recs, ts, step_s):
         land(run_, t, step, recs, ts, step_s)
         if step == 1:
             raise RuntimeError("the coordinator's host went away")
-    monkeypatch.setattr(phases.elastic, "land_elastic_step", crash_after_step_1)
+    monkeypatch.setattr(phases.rl_on_cells, "land_elastic_step", crash_after_step_1)
     with pytest.raises(RuntimeError, match="went away"):
         phases.elastic_rl(run_dir)
-    monkeypatch.setattr(phases.elastic, "land_elastic_step", land)
+    monkeypatch.setattr(phases.rl_on_cells, "land_elastic_step", land)
     assert run.latest_version() == 2 and run.done("elastic") is None
     lake = phases.run_objects.run_lake(run)
     def manifest(s):

@@ -200,7 +200,7 @@ class HarnessWork:
             self._finished(rec, report)
 
         policy = RouterPolicy(router, self.cfg.rollout.temperature, self.cfg.harness.max_new_tokens)
-        run_executions([spec], policy, self.cfg.harness, env_factory(self.run, rollout=True), b.chat, b.stop_texts, 1,
+        run_executions([spec], policy, self.cfg.harness, env_factory(self.cfg, rollout=True), b.chat, b.stop_texts, 1,
                        finished)
 
     def _finished(self, rec, report: Report) -> None:

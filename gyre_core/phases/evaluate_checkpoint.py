@@ -14,12 +14,11 @@ A checkpoint is one of
     `tracking.uri` to a temporary directory that holds (or has one folder that holds) such an HF directory.
 Anything else stops with a `CheckpointError` naming it, before any episode runs.
 
-The evaluation is `phases.evaluate.held_out`, a run's own loop, so its figures compare with a run's
+The evaluation is `phases.held_out.held_out`, a run's own loop, so its figures compare with a run's
 before/after ones: the config's held-out seeds (`env.eval_seed_start` + i for i < `eval.episodes`), the
 same sampling stream, the sampled policy at `rollout.temperature` and the greedy one on the first
-`eval.greedy_episodes` seeds. The preset
-decides the environment, harness and seeds, whatever the checkpoint was trained with. Its executions go to
-the lake as run `eval-<label>`, part `eval=<label>` (a second evaluation under the same label replaces
+`eval.greedy_episodes` seeds. The preset decides the environment, harness and seeds, whatever the
+checkpoint was trained with. Its executions go to the lake as run `eval-<label>`, part `eval=<label>` (a second evaluation under the same label replaces
 them), and the result to a new MLflow run in `tracking.experiment` tagged `gyre.kind=evaluate`.
 """
 from __future__ import annotations
@@ -194,27 +193,18 @@ def _mismatch(cfg: GyreConfig, ck: Checkpoint) -> list[str]:
 
 
 def _evaluate(cfg: GyreConfig, ck: Checkpoint, model, tok, weights, label: str) -> dict:
-    from ..engine import LocalEngine
-    from ..envs import load_env
     from ..evaluation import success_interval
-    from ..harness.conversation import ChatFormat
-    from ..harness.loop import run_executions
     from ..lake import Lake, calls_table, executions_table
-    from ..model import stop_token_ids
     from .held_out import eval_modes, held_out
+    from .run_objects import PolicyBundle, run_specs
 
-    stops = stop_token_ids(model, tok)
-    engine = LocalEngine(model, stops, version=EXTERNAL_VERSION, seed=cfg.run.seed)
+    bundle = PolicyBundle.of(model, tok, cfg.run.seed, version=EXTERNAL_VERSION)
+    engine = bundle.engine
     if weights is not None:          # a run: its initial model with the version's weights, as engine_at does
         engine.set_weights(weights, ck.version)
-    fmt, stop_texts = ChatFormat(tok), {i: tok.decode([i]) for i in stops}
     run_id, part = checkpoint_eval_names(label)
-
-    def run_specs(specs, policy, on_finish):
-        return run_executions(specs, policy, cfg.harness, lambda: load_env(cfg.env.target, **cfg.env.kwargs), fmt,
-                              stop_texts, cfg.rollout.concurrency, on_finish)
-
-    records, summaries = held_out(cfg, label, eval_modes(cfg), run_id, ck.version, f"{run_id}/", run_specs,
+    records, summaries = held_out(cfg, label, eval_modes(cfg), run_id, ck.version, f"{run_id}/",
+                                  lambda specs, policy, on_finish: run_specs(cfg, bundle, specs, policy, on_finish),
                                   engine=engine)
     out: dict = {"label": label, "checkpoint": ck.source, "kind": ck.kind, "resolved": str(ck.path),
                  "policy_version": ck.version, "preset": cfg.preset, **summaries}
