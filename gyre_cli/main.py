@@ -4,6 +4,7 @@
     gyre sql "SELECT status, count(*) FROM executions GROUP BY 1" [--run RUN] [--format table|csv|json]
     gyre sql --query step_summary [--run RUN] [--format ...]      (gyre sql --list-queries: the named queries)
     gyre evaluate CHECKPOINT [--preset P] [--set k=v ...] [--episodes N] [--label L] [--json]
+    gyre env-check module.path:Env [--kwargs JSON]     (a module in the working directory is importable)
     gyre lake compact|check|cleanup [--run RUN] [--lake ROOT] [--include-latest]
     gyre lake retain --days D [--keep RUN ...] [--dry-run] [--run RUN] [--lake ROOT]
     gyre up [--prefect-port 4200] [--mlflow-port 5000] [--devices 0,1 ...]    /    gyre down
@@ -58,8 +59,13 @@ def cmd_train(args) -> int:
     overrides = list(args.set or []) + ([f"rl.steps={args.steps}"] if args.steps is not None else [])
     try:
         cfg = load_config(args.preset, overrides)
+        from gyre_core.envs import configured_env
         from gyre_core.lake import Lake
+        from gyre_core.run import RunDir
 
+        # what would stop the run at its first task, refused here in one line (before Prefect starts)
+        configured_env(cfg.env)
+        RunDir.check_reusable(cfg)
         Lake.from_config(cfg.lake).check_writable()
     except (ConfigError, ValueError) as exc:
         print(f"gyre: config error: {exc}", file=sys.stderr)
@@ -87,6 +93,26 @@ def cmd_train(args) -> int:
         with open(args.summary_json, "w") as f:
             json.dump(summary, f, indent=1)
     return 0
+
+
+def cmd_env_check(args) -> int:
+    """Load an environment and run the contract check on it (`gyre_core.envs.check_environment`)."""
+    from gyre_core.config import ConfigError
+    from gyre_core.envs import check_environment, load_env
+
+    try:
+        kwargs = json.loads(args.kwargs)
+        if not isinstance(kwargs, dict):
+            raise ValueError("--kwargs must be a JSON object")
+        env = load_env(args.target, **kwargs)
+    except (ConfigError, ValueError) as exc:
+        print(f"gyre: {exc}", file=sys.stderr)
+        return 2
+    problems = check_environment(env)
+    for p in problems:
+        print(f"  {p}")
+    print(f"{args.target}: " + (f"{len(problems)} contract problem(s)" if problems else "keeps the environment contract"))
+    return 1 if problems else 0
 
 
 def cmd_evaluate(args) -> int:
@@ -330,8 +356,18 @@ def cmd_sim(args) -> int:
     return 0
 
 
+def _cwd_importable() -> None:
+    """The directory `gyre` runs in is importable, as for `python -m`: a dotted target such as
+    `env.target=mypkg.env:MyEnv` names the user's own module there (a console script's path starts at
+    its own bin/ directory instead)."""
+    here = os.getcwd()
+    if "" not in sys.path and here not in sys.path:
+        sys.path.insert(0, here)
+
+
 def main(argv: list[str] | None = None) -> int:
     _env_defaults()
+    _cwd_importable()
     p = argparse.ArgumentParser(prog="gyre", description="Train LLM agents with online RL.")
     sub = p.add_subparsers(dest="cmd", required=True)
     t = sub.add_parser("train", help="warm start, RL steps and evaluation, under Prefect")
@@ -342,6 +378,10 @@ def main(argv: list[str] | None = None) -> int:
     t.add_argument("--replay", default=None, metavar="RUN",
                    help="train on a stored run's trajectories from the lake: no rollouts, no evaluation")
     t.set_defaults(fn=cmd_train)
+    ec = sub.add_parser("env-check", help="load an environment (module.path:callable) and check its contract")
+    ec.add_argument("target", help="e.g. examples.custom_env:GuessEnv (a module in the current directory works)")
+    ec.add_argument("--kwargs", default="{}", help="JSON object of constructor arguments, e.g. '{\"level\": \"...\"}'")
+    ec.set_defaults(fn=cmd_env_check)
     q = sub.add_parser("sql", help="read-only SQL over the trajectory lake")
     q.add_argument("query", nargs="?", default=None, help="one SQL statement (or use --query NAME)")
     q.add_argument("--query", dest="named", default=None, metavar="NAME",

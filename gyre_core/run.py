@@ -86,19 +86,27 @@ class RunDir:
     @classmethod
     def create(cls, cfg: GyreConfig) -> "RunDir":
         """Make (or reopen) the run directory for this config. A different config under the same run id is refused."""
+        cls.check_reusable(cfg)
         path = Path(cfg.run.out_root) / cfg.run_id()
         cfg_file = path / "config.yaml"
         new = cfg.model_dump(mode="json")
-        if cfg_file.exists():
-            old = yaml.safe_load(cfg_file.read_text())
-            if _without_steps(old) != _without_steps(new):
-                raise ConfigError(f"run.name: run '{cfg.run_id()}' exists with a different config; "
-                                  f"choose another run.name or delete {path}")
         path.mkdir(parents=True, exist_ok=True)
         for sub in ("markers", "weights", "ckpt", "batches"):
             (path / sub).mkdir(exist_ok=True)
         _atomic_write(cfg_file, yaml.safe_dump(new, sort_keys=False))
         return cls(path, cfg)
+
+    @staticmethod
+    def check_reusable(cfg: GyreConfig) -> None:
+        """A run id names one config: refuse `cfg` when its run directory holds another (only the number of
+        RL steps may change, to continue a run)."""
+        path = Path(cfg.run.out_root) / cfg.run_id()
+        cfg_file = path / "config.yaml"
+        if cfg_file.exists():
+            old = yaml.safe_load(cfg_file.read_text())
+            if _without_steps(old) != _without_steps(cfg.model_dump(mode="json")):
+                raise ConfigError(f"run.name: run '{cfg.run_id()}' exists with a different config; choose "
+                                  f"another name (--set run.name=NAME) or delete {path}")
 
     @classmethod
     def open(cls, path: Path | str) -> "RunDir":

@@ -27,12 +27,23 @@ from gyre_core.envs.protocol import (
 )
 
 __all__ = [
-    "HOOKS", "Environment", "Score", "StepResult", "check_environment", "load_env", "missing_members",
-    "supports",
+    "HOOKS", "Environment", "Score", "StepResult", "check_environment", "configured_env", "load_env",
+    "missing_members", "supports",
 ]
 
 # Text no environment should accept as an action.
 INVALID_ACTION = "@@ not-an-action ?!"
+
+
+def configured_env(env_cfg) -> Environment:
+    """The environment a config's `env` section names (`target` with `kwargs`); anything that stops it from
+    being made is a `ConfigError` naming `env.target`, so a run refuses it before any work."""
+    from gyre_core.config import ConfigError
+
+    try:
+        return load_env(env_cfg.target, **env_cfg.kwargs)
+    except Exception as exc:  # noqa: BLE001 - a user's constructor may raise anything
+        raise ConfigError(f"env.target: {exc}") from None
 
 
 def load_env(target: str, **kwargs: Any) -> Environment:

@@ -157,15 +157,12 @@ def _seeds_hash(seeds: list[int]) -> str:
 
 def evaluate_checkpoint(cfg: GyreConfig, checkpoint: str, label: str = "checkpoint") -> dict:
     """Resolve, load and evaluate `checkpoint` on the held-out seeds; write the lake part and the MLflow run."""
-    from ..envs import load_env
+    from ..envs import configured_env
     from ..lake import Lake
 
     check_label(label)
     apply_threads(cfg)
-    try:
-        load_env(cfg.env.target, **cfg.env.kwargs)
-    except Exception as exc:  # noqa: BLE001
-        raise ConfigError(f"env.target: {exc}") from None
+    configured_env(cfg.env)
     Lake.from_config(cfg.lake).check_writable()
     t0 = time.time()
     with tempfile.TemporaryDirectory(prefix="gyre-checkpoint-") as tmp:

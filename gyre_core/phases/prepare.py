@@ -14,15 +14,12 @@ def prepare(cfg: GyreConfig) -> str:
     Everything that would stop a run later is checked here, before any rollout: the lake root, the
     environment target, `model.path`, and on resume every checkpoint the run will read.
     """
-    from ..envs import load_env, supports
+    from ..envs import configured_env, supports
     from ..lake import Lake
     from ..model import PolicyLoadError, build_tiny_model, load_policy, save_policy, train_tokenizer
 
     apply_threads(cfg)
-    try:
-        env = load_env(cfg.env.target, **cfg.env.kwargs)
-    except Exception as exc:
-        raise ConfigError(f"env.target: {exc}") from None
+    env = configured_env(cfg.env)
     model = tok = None
     if cfg.model.path:
         try:

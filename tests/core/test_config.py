@@ -1,9 +1,13 @@
+import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
 from gyre_core.config import ConfigError, GyreConfig, load_config, presets
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_presets_load_and_differ():
@@ -86,3 +90,42 @@ def test_run_threads_sets_torchs_intra_op_threads_and_zero_leaves_them():
         assert torch.get_num_threads() == before
     finally:
         torch.set_num_threads(before)
+
+
+def _gyre(*args: str, cwd: Path) -> subprocess.CompletedProcess:
+    """The installed `gyre` console script (what a user types), not `python -m`: its import path starts at its
+    own bin/ directory, so a user's module in the working directory is found only because the CLI adds it."""
+    script = Path(sys.executable).parent / "gyre"
+    assert script.is_file(), f"no console script at {script}: install the project (scripts/install.sh)"
+    return subprocess.run([str(script), *args], cwd=cwd, capture_output=True, text=True, timeout=300)
+
+
+def test_env_check_finds_a_users_module_in_the_working_directory(tmp_path):
+    shutil.copy(ROOT / "examples" / "custom_env.py", tmp_path / "userenv.py")
+    ok = _gyre("env-check", "userenv:GuessEnv", cwd=tmp_path)
+    assert ok.returncode == 0 and ok.stdout.strip() == "userenv:GuessEnv: keeps the environment contract", ok.stderr
+    bad = _gyre("env-check", "userenv:NoSuchEnv", cwd=tmp_path)
+    assert bad.returncode == 2
+    assert bad.stderr.strip() == "gyre: env target 'userenv:NoSuchEnv': module 'userenv' has no attribute 'NoSuchEnv'"
+
+
+def test_train_refuses_an_unloadable_env_and_a_reused_run_name_in_one_line_before_any_work(tmp_path):
+    """Both would stop the run at its first task; the CLI says so before Prefect starts or a file is written."""
+    out, lake = tmp_path / "runs", tmp_path / "lake"
+    common = ["train", "--preset", "smoke", "--set", f"run.out_root={out}", "--set", f"lake.root={lake}"]
+    proc = _gyre(*common, "--set", "env.target=userenv:GuessEnv", "--set", "env.kwargs={}", cwd=tmp_path)
+    assert proc.returncode == 2
+    assert [l for l in proc.stderr.splitlines() if l.strip()] == [
+        "gyre: config error: env.target: env target 'userenv:GuessEnv': cannot import module 'userenv' "
+        "(No module named 'userenv')"]
+    assert not out.exists() and not lake.exists()
+
+    from gyre_core.run import RunDir
+
+    RunDir.create(load_config("smoke", [f"run.out_root={out}", f"lake.root={lake}"]))   # an earlier run, smoke-s0
+    proc = _gyre(*common, "--set", "rl.lr=2e-4", cwd=tmp_path)
+    assert proc.returncode == 2
+    assert [l for l in proc.stderr.splitlines() if l.strip()] == [
+        f"gyre: config error: run.name: run 'smoke-s0' exists with a different config; choose another name "
+        f"(--set run.name=NAME) or delete {out / 'smoke-s0'}"]
+    assert not lake.exists()
