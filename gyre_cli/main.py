@@ -322,7 +322,8 @@ def cmd_sim(args) -> int:
     import dataclasses
 
     from gyre_core.elastic.profiles import get_profile, with_overrides, workload_from_trace
-    from gyre_core.elastic.sim import POLICIES, compare_results, format_comparison, write_timelines
+    from gyre_core.elastic.comparison import compare_results, format_comparison, write_timelines
+    from gyre_core.elastic.sim import POLICIES
 
     try:
         prof = get_profile(args.profile)

@@ -21,7 +21,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from bench.elastic import CAPACITY_EMULATED, K_EMULATED, MICRO_EMULATED, WORKLOAD  # noqa: E402
-from gyre_core.elastic.sim import compare, step_s_floor  # noqa: E402
+from gyre_core.elastic.comparison import compare  # noqa: E402
+from gyre_core.elastic.sim import step_s_floor  # noqa: E402
 
 TRAIN_S_PER_CALL = (0.002, 0.004, 0.01, 0.02, 0.05, 0.1)
 CAPACITIES, STALENESS = (8, 16, 32), (1, 2)

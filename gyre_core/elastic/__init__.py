@@ -21,8 +21,9 @@ Modules, bottom up:
 - `connections` — the coordinator's side of the agents: starts them (a launcher), carries their messages
                  (a reader and a writer thread per cell), stops them.
 - `runtime`    — the coordinator: applies the policy, feeds micro-steps, loses cells, measures.
-- `sim`        — a discrete-event model of a fleet running the same policies (`gyre sim`); `profiles`
-                 holds its named fleets (laptop, the paper's 122B and 2.4T runs).
+- `sim`        — a discrete-event model of a fleet running the same policies (`gyre sim`); `comparison`
+                 sets the policies side by side and prints the table; `profiles` holds its named fleets
+                 (laptop, the paper's 122B and 2.4T runs).
 - `timeline`   — the role-timeline picture (cells × time, coloured by role, switch marks).
 
 Training cells always form a prefix of the order core, satellite 1, satellite 2, ...: the core goes

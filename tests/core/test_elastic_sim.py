@@ -13,7 +13,8 @@ import pytest
 
 from gyre_cli.main import main
 from gyre_core.elastic.profiles import get_profile, with_overrides, workload_from_trace
-from gyre_core.elastic.sim import _Exec, _Sim, compare, compare_results, simulate, step_s_floor
+from gyre_core.elastic.comparison import compare, compare_results
+from gyre_core.elastic.sim import _Exec, _Sim, simulate, step_s_floor
 from gyre_core.elastic.timeline import BusySpan, RoleSpan, busy_fractions, plot_timeline
 from gyre_core.elastic.workload import Workload
 
