@@ -43,7 +43,7 @@ def publish_marker(version: int) -> str:
 
 
 def ckpt_tag(version: int) -> str:
-    """The DeepSpeed checkpoint tag (`ckpt/<tag>/`) of policy version `version`; also its weights' file stem."""
+    """The DeepSpeed checkpoint tag (`ckpt/<tag>/`) of policy version `version`."""
     return f"v{version}"
 
 
@@ -87,7 +87,7 @@ class RunDir:
     def create(cls, cfg: GyreConfig) -> "RunDir":
         """Make (or reopen) the run directory for this config. A different config under the same run id is refused."""
         cls.check_reusable(cfg)
-        path = Path(cfg.run.out_root) / cfg.run_id()
+        path = cls.path_of(cfg)
         cfg_file = path / "config.yaml"
         new = cfg.model_dump(mode="json")
         path.mkdir(parents=True, exist_ok=True)
@@ -97,10 +97,15 @@ class RunDir:
         return cls(path, cfg)
 
     @staticmethod
-    def check_reusable(cfg: GyreConfig) -> None:
+    def path_of(cfg: GyreConfig) -> Path:
+        """Where the run of `cfg` lives: `run.out_root/<run id>`."""
+        return Path(cfg.run.out_root) / cfg.run_id()
+
+    @classmethod
+    def check_reusable(cls, cfg: GyreConfig) -> None:
         """A run id names one config: refuse `cfg` when its run directory holds another (only the number of
         RL steps may change, to continue a run)."""
-        path = Path(cfg.run.out_root) / cfg.run_id()
+        path = cls.path_of(cfg)
         cfg_file = path / "config.yaml"
         if cfg_file.exists():
             old = yaml.safe_load(cfg_file.read_text())
@@ -155,11 +160,16 @@ class RunDir:
     def ckpt(self) -> Path:
         return self.path / "ckpt"
 
+    @property
+    def weights_root(self) -> str:
+        """Where published versions go: `trainer.publish_root`, else the run's `weights/`."""
+        return self.cfg.trainer.publish_root or str(self.path / "weights")
+
     def weights_uri(self, version: int | str) -> str:
         """Published weights of RL policy `version` (an int), or of a named side policy ("control")."""
-        root = self.cfg.trainer.publish_root or str(self.path / "weights")
-        name = ckpt_tag(version) if isinstance(version, int) else version
-        return f"{root.rstrip('/')}/{name}.safetensors"
+        from .trainer.publish import version_uri    # (torch: not on the import path of the CLI's start)
+
+        return version_uri(self.weights_root, version)
 
     def batch_path(self, step: int) -> Path:
         return self.path / "batches" / f"step-{step:04d}.pt"

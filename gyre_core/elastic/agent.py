@@ -150,9 +150,9 @@ class RealDevice:
         """At a boundary: take the newest published weights (a consistent snapshot, read whole)."""
         if self.published <= self.version:
             return
-        from ..trainer.publish import load_weights
+        from ..trainer.publish import load_weights, version_uri
 
-        state = load_weights(f"{self.weights_root}/v{self.published}.safetensors")
+        state = load_weights(version_uri(self.weights_root, self.published))
         self.engine.set_weights(state, self.published)   # copies into the shared model; drops stale K/V
         self.version = self.published
 
@@ -264,7 +264,7 @@ class RealDevice:
     def optim(self, version: int, n_executions: int, t: int = 1) -> float | None:
         """Reduce the satellites' gradients over [0, t) onto this core (t > 1), apply the update and
         publish version+1; returns the reduce's seconds (None: no reduce). Raises `collective.ReduceFailed`."""
-        from ..trainer.publish import publish_weights
+        from ..trainer.publish import publish_weights, version_uri
         from .stream import finish_step
 
         tr = self._trainer()
@@ -273,7 +273,7 @@ class RealDevice:
             self.groups.reduce_to_core(tr, t)
         reduce_s = time.monotonic() - t0 if t > 1 else None
         finish_step(tr, n_executions)
-        publish_weights(tr.state_dict(), f"{self.weights_root}/v{version + 1}.safetensors")
+        publish_weights(tr.state_dict(), version_uri(self.weights_root, version + 1))
         self.engine._contexts.clear()
         self.engine.version = self.version = self.published = version + 1
         return reduce_s

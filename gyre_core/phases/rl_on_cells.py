@@ -168,8 +168,7 @@ class HarnessWork:
                  "micro_batch_tokens": rl.micro_batch_tokens, "entropy_coef": rl.entropy_coef,
                  "optimizer": rl.optimizer,
                  "device": cfg.model.device}
-        return ["--mode", "real", "--policy", str(self.run.warm), "--weights",
-                self.cfg.trainer.publish_root or str(self.run.path / "weights"),
+        return ["--mode", "real", "--policy", str(self.run.warm), "--weights", self.run.weights_root,
                 "--start-version", str(self.first_step),
                 "--train-json", json.dumps(train), "--seed", str(cfg.run.seed), "--threads", str(self.threads)]
 

@@ -38,7 +38,6 @@ class PolicyBundle:
         eos = self.tokenizer.eos_token_id
         return eos if eos in self.stop_texts else min(self.stop_texts)
 
-
     @classmethod
     def of(cls, model, tok, seed: int, version: int) -> "PolicyBundle":
         """A bundle around a loaded model: its engine (holding `version`, sampling from `seed`'s stream)."""

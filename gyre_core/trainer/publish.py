@@ -11,6 +11,13 @@ from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
 
+def version_uri(root: str, version: int | str) -> str:
+    """The file of published policy `version` under `root`: `<root>/v<N>.safetensors` (a named side policy,
+    such as the control: `<root>/<name>.safetensors`). A run and its cell agents both name versions so."""
+    name = f"v{version}" if isinstance(version, int) else version
+    return f"{root.rstrip('/')}/{name}.safetensors"
+
+
 def publish_weights(state_dict: dict[str, torch.Tensor], uri: str, storage_options: dict | None = None) -> str:
     fs, path = fsspec.core.url_to_fs(uri, **(storage_options or {}))
     parent = path.rsplit("/", 1)[0]
