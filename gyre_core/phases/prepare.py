@@ -22,6 +22,7 @@ def prepare(cfg: GyreConfig) -> str:
     env = configured_env(cfg.env)
     model = tok = None
     if cfg.model.path:
+        fetch_if_missing(cfg)
         try:
             model, tok = load_policy(cfg.model.path)
         except PolicyLoadError as exc:
@@ -50,6 +51,23 @@ def prepare(cfg: GyreConfig) -> str:
     save_policy(model, tok, str(run.policy0))
     run.mark("prepare", {"params": sum(p.numel() for p in model.parameters()), "vocab": len(tok)})
     return str(run.path)
+
+
+def fetch_if_missing(cfg: GyreConfig) -> None:
+    """`model.fetch`: download the named checkpoint into `model.path` the first time (the directory is kept)."""
+    from pathlib import Path
+
+    from ..model_import import ModelImportError, fetch_model
+
+    m = cfg.model
+    if m.fetch and not Path(m.path).exists():
+        import sys
+
+        print(f"gyre: fetching {m.fetch} into {m.path} (once)", file=sys.stderr)
+        try:
+            fetch_model(m.fetch, m.path)
+        except ModelImportError as exc:
+            raise ConfigError(f"model.fetch: {exc}") from None
 
 
 def check_replayable(lake, cfg: GyreConfig) -> None:

@@ -18,7 +18,7 @@ import pyarrow as pa
 from ..run import RunDir, ckpt_tag, process_part, publish_marker, score_part, step_marker, step_part
 from ..seeds import rollout_stream, sampling_seed
 from ..ui import phase
-from .run_objects import (drop_trainer, engine_at, hold_trainer, read_records, replayed_records, rng_state,
+from .run_objects import (drop_trainer, engine_at, hold_trainer, read_records, reload_checks, replayed_records, rng_state,
                           run_lake, run_policy, trainer_at, tracker, write_records)
 
 
@@ -58,6 +58,8 @@ def rollout(run_dir: str, step: int) -> str:
         "invalid_actions": sum(r.invalid_actions for r in records),
         "tokens_generated": sum(r.tokens_generated for r in records), "rollout_s": time.time() - t0,
     }
+    if (check := reload_checks(run).get(step)) is not None:    # this version's weights went to a server
+        stats["reload_max_logprob_err"] = check["max_logprob_err"]
     return run.mark(step_marker("rollout", step), stats)["part"]
 
 
@@ -252,6 +254,7 @@ def _train_step(run: RunDir, step: int, batch, t0: float) -> str:
         "clip_frac_in_update": totals.get("clip_frac", 0.0) / n,
         "entropy": totals.get("entropy", 0.0) / n,
         "logprob_mismatch": first_epoch.get("logprob_mismatch", 0.0) / n0,
+        "tis_clip_frac": first_epoch.get("is_truncated", 0.0) / n0,
         "tokens_trained": first_epoch.get("tokens", 0.0), "grad_norm": grad_norm,
         "kl_backtracks": backtracks, "lr": lr,
         "staleness": 0, "train_s": time.time() - t0,
@@ -265,11 +268,18 @@ def _update(run: RunDir, step: int, trainer, chunks, normaliser: float):
     totals: dict[str, float] = {}
     first_epoch: dict[str, float] = {}
     grad_norm = 0.0
+    # TIS (`rl.tis_cap`): decoupled PPO with π_train before the update as the proximal policy. In the first
+    # epoch that is the forward's own log-probs; later epochs need them kept from before the first update.
+    objective = "decoupled" if rl.tis_cap else "ppo"
+    prox = [None] * len(chunks)
+    if objective == "decoupled" and rl.epochs > 1:
+        prox = [trainer.logprobs(chunk, temperature=cfg.rollout.temperature) for chunk in chunks]
     with phase(f"step {step}: train", rl.epochs * len(chunks)) as tick:
         for epoch in range(rl.epochs):
             for k, chunk in enumerate(chunks):
-                st = trainer.micro_step(chunk, normaliser, objective="ppo", temperature=cfg.rollout.temperature,
-                                        clip_low=rl.clip_low, clip_high=rl.clip_high,
+                st = trainer.micro_step(chunk, normaliser, objective=objective, is_cap=rl.tis_cap or 1.0,
+                                        prox_logprobs=prox[k],
+                                        temperature=cfg.rollout.temperature, clip_low=rl.clip_low, clip_high=rl.clip_high,
                                         negative_scale=rl.negative_scale, entropy_coef=rl.entropy_coef,
                                         last=k == len(chunks) - 1)
                 for key, v in st.items():
@@ -323,6 +333,8 @@ def step_metrics(run: RunDir, step: int) -> dict[str, float]:
         "train/loss": tr.get("loss", 0.0), "train/kl": tr.get("kl", 0.0), "train/clip_frac": tr.get("clip_frac", 0.0),
         "train/clip_frac_in_update": tr.get("clip_frac_in_update", 0.0),
         "train/entropy": tr.get("entropy", 0.0), "train/logprob_mismatch": tr.get("logprob_mismatch", 0.0),
+        "train/tis_clip_frac": tr.get("tis_clip_frac", 0.0),
+        "engine/reload_max_logprob_err": ro.get("reload_max_logprob_err", 0.0),
         "train/grad_norm": tr.get("grad_norm", 0.0), "train/staleness": tr.get("staleness", 0),
         "train/kl_backtracks": tr.get("kl_backtracks", 0), "train/lr": tr.get("lr", run.cfg.rl.lr),
         "tokens/packed_computed": tr.get("packing_tokens_computed", 0), "tokens/flat": tr.get("packing_tokens_flat", 0),

@@ -24,13 +24,23 @@ from ..run import CONTROL_VERSION, RunDir, ckpt_tag
 
 @dataclass(slots=True)
 class PolicyBundle:
-    """The run's initial model as the harness uses it: the engine that decodes it, its tokenizer, the
-    chat format that renders turns, and the texts of its stop tokens."""
+    """The run's initial model as the harness uses it: the engine that decodes it (made on first use, of
+    the config's `engine.kind`), its tokenizer, the chat format that renders turns, the texts of its stop
+    tokens, and the model itself (the local engine decodes with it; for vLLM it is the reference a reload
+    is checked against)."""
 
-    engine: Any
+    model: Any
     tokenizer: Any
     chat: Any
     stop_texts: dict[int, str]
+    make_engine: Any
+    _engine: Any = None
+
+    @property
+    def engine(self):
+        if self._engine is None:
+            self._engine = self.make_engine()
+        return self._engine
 
     @property
     def stop_id(self) -> int:
@@ -39,15 +49,31 @@ class PolicyBundle:
         return eos if eos in self.stop_texts else min(self.stop_texts)
 
     @classmethod
-    def of(cls, model, tok, seed: int, version: int) -> "PolicyBundle":
-        """A bundle around a loaded model: its engine (holding `version`, sampling from `seed`'s stream)."""
-        from ..engine import LocalEngine
+    def of(cls, model, tok, seed: int, version: int, engine_cfg=None, model_dir: str | None = None) -> "PolicyBundle":
+        """A bundle around a loaded model (from `model_dir`): its engine holds `version` and samples from
+        `seed`'s stream. `engine_cfg` (`EngineConfig`; None: local) picks the engine."""
         from ..harness.conversation import ChatFormat
         from ..model import stop_token_ids
 
         stops = stop_token_ids(model, tok)
-        return cls(LocalEngine(model, stops, version=version, seed=seed), tok, ChatFormat(tok),
-                   {i: tok.decode([i]) for i in stops})
+        if engine_cfg is None or engine_cfg.kind == "local":
+            def make():
+                from ..engine import LocalEngine
+                return LocalEngine(model, stops, version=version, seed=seed)
+        else:
+            def make():
+                return vllm_engine(engine_cfg, model_dir, stops, seed, version)
+        return cls(model, tok, ChatFormat(tok), {i: tok.decode([i]) for i in stops}, make)
+
+
+def vllm_engine(engine_cfg, model_dir: str, stops: list[int], seed: int, version: int):
+    """A vLLM server on `model_dir` (the cell's devices: CUDA_VISIBLE_DEVICES as inherited) and its engine."""
+    from ..engine.vllm import ServerSpec, VLLMEngine, VLLMServer
+
+    spec = ServerSpec(model_dir=model_dir, dtype=engine_cfg.dtype, seed=seed, max_model_len=engine_cfg.max_model_len,
+                      kv_cache_gib=engine_cfg.kv_cache_gib, gpu_memory_utilization=engine_cfg.gpu_memory_utilization,
+                      start_timeout_s=engine_cfg.start_timeout_s)
+    return VLLMEngine(VLLMServer(spec).start(), stops, version=version, seed=seed, concurrency=engine_cfg.concurrency)
 
 
 def policy_bundle(run: RunDir) -> PolicyBundle:
@@ -56,20 +82,56 @@ def policy_bundle(run: RunDir) -> PolicyBundle:
 
     def make():
         model, tok = load_policy(str(run.policy0), device=run.cfg.model.device)
-        return PolicyBundle.of(model, tok, run.cfg.run.seed, version=-1)
+        return PolicyBundle.of(model, tok, run.cfg.run.seed, version=-1, engine_cfg=run.cfg.engine,
+                               model_dir=str(run.policy0))
 
     return run.cached("policy", make)
 
 
 def engine_at(run: RunDir, version: int):
-    """The bundle's engine holding published policy `version` (`CONTROL_VERSION`: the control's)."""
-    from ..trainer.publish import load_weights
-
-    eng = policy_bundle(run).engine
+    """The bundle's engine holding published policy `version` (`CONTROL_VERSION`: the control's). A vLLM
+    engine's reload is checked against the published weights' own log-probs (`check_reload`)."""
+    bundle = policy_bundle(run)
+    eng = bundle.engine
     if eng.version != version:
         uri = run.weights_uri("control" if version == CONTROL_VERSION else version)
-        eng.set_weights(load_weights(uri), version)
+        eng.load_published(uri, version)
+        if run.cfg.engine.kind != "local":
+            check_reload(run, bundle, uri, version)
     return eng
+
+
+def check_reload(run: RunDir, bundle: PolicyBundle, uri: str, version: int) -> float:
+    """The engine's log-probs of a fixed probe against those of the published weights in the bundle's own
+    (float32) copy of the model: the max |Δ| goes to `reload_checks(run)[version]`, and above
+    `engine.reload_check_tol` the run stops (a reload that silently kept old weights, e.g. a tied head)."""
+    from ..engine.interface import model_logprobs, probe_ids
+    from ..engine.vllm import VLLMError
+    from ..trainer.publish import load_weights
+
+    model = bundle.model     # vLLM decodes, so this copy only ever serves as the reference
+    model.load_state_dict(load_weights(uri), strict=False)
+    ids = probe_ids(len(bundle.tokenizer), seed=max(version, 0))
+    err = max(abs(a - b) for a, b in zip(model_logprobs(model, ids), bundle.engine.probe_logprobs(ids)))
+    tol = run.cfg.engine.reload_check_tol or (1e-3 if _serves_fp32(run.cfg.engine, model) else 0.5)
+    reload_checks(run)[version] = {"max_logprob_err": err, "tol": tol}
+    if err > tol:
+        raise VLLMError(f"after loading version {version} ({uri}) the engine's log-probs differ from the trainer's "
+                        f"by up to {err:.3g} > engine.reload_check_tol={tol:g}: the server is not serving these weights")
+    return err
+
+
+def reload_checks(run: RunDir) -> dict[int, dict]:
+    """This process's reload checks by version (`check_reload`)."""
+    return run.cached("reload_checks", dict)
+
+
+def _serves_fp32(engine_cfg, model) -> bool:
+    import torch
+
+    if engine_cfg.dtype == "auto":
+        return getattr(model.config, "dtype", None) in (torch.float32, "float32")
+    return engine_cfg.dtype == "float32"
 
 
 def env_factory(cfg: GyreConfig, rollout: bool = False):
@@ -137,18 +199,27 @@ def replayed_records(run: RunDir, part: str) -> list:
 # -- the trainer and the tracker ----------------------------------------------------------------------
 
 
+def training_model(cfg: GyreConfig, path):
+    """(model, tokenizer) from a policy directory as the trainer holds it: in `trainer.dtype`."""
+    import torch
+
+    from ..model import load_policy
+
+    return load_policy(str(path), dtype=getattr(torch, cfg.trainer.dtype), device=cfg.model.device)
+
+
 def trainer_at(run: RunDir, version: int):
     """The RL trainer holding policy `version`, resumed from its checkpoint when not in memory."""
-    from ..model import load_policy
     from ..trainer.trainer import Trainer
 
     held = run.cached("trainer", lambda: None)
     if held is not None and held[1] == version:
         return held[0]
     cfg = run.cfg
-    model, tok = load_policy(str(run.warm), device=cfg.model.device)
+    model, tok = training_model(cfg, run.warm)
     trainer = Trainer(model, lr=cfg.rl.lr, zero_stage=cfg.trainer.zero_stage, grad_clip=cfg.rl.grad_clip,
-                      optimizer=cfg.rl.optimizer, pad_id=tok.pad_token_id or 0)
+                      optimizer=cfg.rl.optimizer, pad_id=tok.pad_token_id or 0,
+                      gradient_checkpointing=cfg.trainer.gradient_checkpointing)
     if version > 0:
         state = trainer.load(str(run.ckpt), ckpt_tag(version))
         restore_rng(state.get("rng"))

@@ -15,14 +15,14 @@ from ..config import DEMO_SEED_OFFSET
 from ..run import CONTROL_DEMOS_PART, DEMOS_PART, RunDir, publish_marker
 from ..seeds import supervised_stream
 from ..ui import phase
-from .run_objects import policy_bundle, read_records, replayed_records, run_policy, write_records
+from .run_objects import policy_bundle, training_model, read_records, replayed_records, run_policy, write_records
 
 
 def warm_start(run_dir: str) -> str:
     run = RunDir.open(run_dir)
     if (m := run.done("warm_start")) is not None:
         return m["path"]
-    from ..model import load_policy, save_policy
+    from ..model import save_policy
     from ..trainer.publish import publish_weights
 
     cfg, t0 = run.cfg, time.time()
@@ -34,7 +34,7 @@ def warm_start(run_dir: str) -> str:
         records = demonstrations(run, seeds, "demo", "warm start: demonstrations")
     write_records(run, DEMOS_PART, records)
     good = [r for r in records if r.success]
-    model, tok = load_policy(str(run.policy0), device=cfg.model.device)
+    model, tok = training_model(cfg, run.policy0)
     trainer, losses, n_seq = behaviour_cloning(run, model, tok, good, "warm start: supervised steps", n_steps=ws.steps)
     save_policy(trainer.model, tok, str(run.warm))
     uri = publish_weights(trainer.state_dict(), run.weights_uri(0))
@@ -83,7 +83,8 @@ def behaviour_cloning(run: RunDir, model, tok, records, label: str, n_steps: int
     for s in batch.sequences:   # supervised: every generated token weighs 1
         s.weights = [1.0 if w else 0.0 for w in s.weights]
     trainer = Trainer(model, lr=supervised_lr(ws, 0, n_steps), zero_stage=cfg.trainer.zero_stage,
-                      grad_clip=cfg.rl.grad_clip, pad_id=tok.pad_token_id or 0)
+                      grad_clip=cfg.rl.grad_clip, pad_id=tok.pad_token_id or 0,
+                      gradient_checkpointing=cfg.trainer.gradient_checkpointing)
     rng = random.Random(supervised_stream(cfg.run.seed, seed_offset))
     losses: list[float] = []
 
@@ -129,7 +130,7 @@ def control(run_dir: str, budget_s: float | None = None) -> dict:
     run = RunDir.open(run_dir)
     if (m := run.done("control")) is not None:
         return m
-    from ..model import load_policy, save_policy
+    from ..model import save_policy
     from ..trainer.publish import publish_weights
 
     cfg, t0 = run.cfg, time.time()
@@ -141,7 +142,7 @@ def control(run_dir: str, budget_s: float | None = None) -> dict:
         fresh = demonstrations(run, seeds, "control-demo", "control: demonstrations on the RL tasks")
         write_records(run, CONTROL_DEMOS_PART, fresh)
     good = [r for r in read_records(run, DEMOS_PART) + fresh if r.success]
-    model, tok = load_policy(str(run.warm), device=cfg.model.device)
+    model, tok = training_model(cfg, run.warm)
     left = budget - (time.time() - t0)
     trainer, losses, n_seq = behaviour_cloning(run, model, tok, good, "control: supervised steps",
                                                budget_s=max(left, 0.0), seed_offset=1)

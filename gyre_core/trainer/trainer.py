@@ -90,10 +90,26 @@ def _reproducible(device: torch.device):
         det.fill_uninitialized_memory = fill
 
 
+def _checkpoint_without_dropout(model) -> None:
+    """HF recomputes activations only in training mode, which would turn dropout on: zero every dropout
+    rate first, then switch checkpointing and training mode on (log-probs stay those of the eval model)."""
+    for m in model.modules():
+        if isinstance(m, torch.nn.Dropout):
+            m.p = 0.0
+    cfg = model.config.get_text_config(decoder=True)
+    for name in ("attention_dropout", "hidden_dropout", "resid_pdrop", "embd_pdrop", "attn_pdrop"):
+        if getattr(cfg, name, 0):
+            setattr(cfg, name, 0.0)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.train()
+
+
 class Trainer:
     def __init__(self, model, *, lr: float, zero_stage: int = 1, grad_clip: float = 1.0,
-                 weight_decay: float = 0.0, pad_id: int = 0, optimizer: str = "adamw"):
-        """`optimizer`: `adamw` (betas 0.9, 0.99) or `sgd` (plain: the step is −lr × the clipped gradient)."""
+                 weight_decay: float = 0.0, pad_id: int = 0, optimizer: str = "adamw",
+                 gradient_checkpointing: bool = False):
+        """`optimizer`: `adamw` (betas 0.9, 0.99) or `sgd` (plain: the step is −lr × the clipped gradient).
+        `gradient_checkpointing`: recompute each layer's activations in the backward pass."""
         init_distributed()
         import deepspeed
 
@@ -117,6 +133,8 @@ class Trainer:
         # Dropout off: the trainer's log-probs must be those of the policy the engine sampled from
         # (the PPO ratio and the behaviour/trainer mismatch metric assume it). Gradients flow as usual.
         self.engine.module.eval()
+        if gradient_checkpointing:
+            _checkpoint_without_dropout(self.engine.module)
         self._pending = False
         self._closed = False     # a micro-step ran at the accumulation boundary (gradients were reduced)
 

