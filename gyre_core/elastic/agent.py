@@ -134,6 +134,7 @@ class RealDevice:
         model, tok = load_policy(policy_dir, device=self.train_kw.get("device", "cpu"))
         self.label = f"real/{next(model.parameters()).device}"    # sent in the hello (result.cell_devices)
         self.pad_id = tok.pad_token_id or 0
+        self.vocab_size = len(tok)
         self.engine = LocalEngine(model, stop_token_ids(model, tok), version=0, seed=cell_stream(seed, cell))
         self.stops = set(self.engine.stop_ids)
         self.version = 0          # the weights this cell computes with
@@ -394,6 +395,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--policy", help="real: the HF model directory the cell starts from")
     ap.add_argument("--weights", help="real: where versions are published (v<N>.safetensors)")
     ap.add_argument("--train-json", default="{}", help="real: trainer settings (lr, clip, ...) as JSON")
+    ap.add_argument("--engine-json", default="", help="real: a vLLM server's settings (engine.kind=vllm) as JSON; "
+                                                       "empty: the in-process engine")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--start-version", type=int, default=0, help="real: start from this published version")
     ap.add_argument("--grad-store", help="real: HOST:PORT of the store the cells' gradient groups are built on")
@@ -419,8 +422,14 @@ def main(argv: list[str] | None = None) -> int:
             from .collective import PrefixGroups
 
             groups = PrefixGroups(args.grad_store, args.cell, args.world, args.group_timeout)
-        device = RealDevice(args.cell, args.policy, args.weights, json.loads(args.train_json), args.seed,
-                            args.start_version, groups)
+        if args.engine_json:
+            from .vllm_cell import VLLMCellDevice
+
+            device = VLLMCellDevice(args.cell, args.policy, args.weights, json.loads(args.train_json), args.seed,
+                                    args.start_version, groups, engine=json.loads(args.engine_json))
+        else:
+            device = RealDevice(args.cell, args.policy, args.weights, json.loads(args.train_json), args.seed,
+                                args.start_version, groups)
         device.cell_is_core = args.cell == 0
     else:
         device = EmulatedDevice()
@@ -431,6 +440,8 @@ def main(argv: list[str] | None = None) -> int:
         conn.close()
         if groups is not None:
             groups.close()
+        if hasattr(device, "close"):
+            device.close()
     return 0
 
 

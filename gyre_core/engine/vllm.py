@@ -277,9 +277,11 @@ class VLLMEngine:
         lps = [float(x) for x in choice["logprobs"]["token_logprobs"]]
         return GenResult(ids, lps, "stop" if choice["finish_reason"] == "stop" else "length")
 
-    def stream(self, req: GenRequest, seed: int | None = None) -> Iterator[tuple[int, float]]:
-        """(token id, log-prob) pairs as the server generates them; closing the iterator early (or
-        `close()` on it from the consumer's thread) drops the connection, which aborts the request."""
+    def stream(self, req: GenRequest, seed: int | None = None,
+               cancel: threading.Event | None = None) -> Iterator[tuple[int, float]]:
+        """(token id, log-prob) pairs as the server generates them. Leaving early — closing the iterator, or
+        setting `cancel` from another thread (seen at the next token) — drops the connection, which aborts
+        the request on the server."""
         validate_requests([req])
         if seed is None:
             seed = mix_seed(self.seed, self._next_call(), 0)
@@ -288,6 +290,8 @@ class VLLMEngine:
                 resp.read()
                 raise VLLMError(f"vLLM /v1/completions: HTTP {resp.status_code}: {_detail(resp)}")
             for line in resp.iter_lines():
+                if cancel is not None and cancel.is_set():
+                    return
                 if not line.startswith("data: ") or line == "data: [DONE]":
                     continue
                 chunk = json.loads(line[6:])

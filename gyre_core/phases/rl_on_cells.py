@@ -168,9 +168,16 @@ class HarnessWork:
                  "micro_batch_tokens": rl.micro_batch_tokens, "entropy_coef": rl.entropy_coef,
                  "optimizer": rl.optimizer,
                  "device": cfg.model.device}
-        return ["--mode", "real", "--policy", str(self.run.warm), "--weights", self.run.weights_root,
+        args = ["--mode", "real", "--policy", str(self.run.warm), "--weights", self.run.weights_root,
                 "--start-version", str(self.first_step),
                 "--train-json", json.dumps(train), "--seed", str(cfg.run.seed), "--threads", str(self.threads)]
+        if cfg.engine.kind == "vllm":       # rollout on a vLLM server per cell, on the cell's devices
+            e = cfg.engine
+            args += ["--engine-json", json.dumps({
+                "dtype": e.dtype, "max_model_len": e.max_model_len, "kv_cache_gib": e.kv_cache_gib,
+                "gpu_memory_utilization": e.gpu_memory_utilization, "start_timeout_s": e.start_timeout_s,
+                "reload_check_tol": e.reload_check_tol})]
+        return args
 
     def take_records(self, step: int) -> list:
         """The finished executions of `step`, handed over once (its version is published: all are in)."""

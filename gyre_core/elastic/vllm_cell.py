@@ -1,0 +1,163 @@
+"""A real cell whose rollout role runs on a vLLM server (`engine.kind=vllm`), its training role on the
+cell's own trainer, as `RealDevice` does.
+
+The server runs on the cell's devices (it inherits the agent's CUDA_VISIBLE_DEVICES) from the cell's
+policy directory. Each live call is one streamed request read by its own thread; the agent's loop
+collects the tokens that arrived. Per-token versions stay exact across a weight update: when a newer
+version is published, every stream is closed (the server aborts those requests), the tokens received so
+far keep the version that generated them, the server reloads in place (checked against the cell's own
+copy of the new weights), and each call continues from its prompt plus the tokens so far. A call the
+coordinator takes away (a cancel, a role change) is aborted the same way, and the router continues it on
+another cell with the tokens so far.
+"""
+from __future__ import annotations
+
+import threading
+import time
+
+from .agent import RealDevice, _LiveCall
+
+
+class _Stream:
+    """One call's request on the server, read by its own thread into `pending`."""
+
+    def __init__(self, engine, g: _LiveCall, version: int, seed: int):
+        from ..engine.interface import GenRequest
+
+        self.key, self.version = g.req.key, version
+        self.cancel = threading.Event()
+        self.pending: list[tuple[int, float]] = []
+        self.lock = threading.Lock()
+        self.ended = False
+        self.error: BaseException | None = None
+        req = GenRequest(g.req.key, g.req.prompt_ids + g.ids, g.req.max_new_tokens - len(g.ids), g.req.temperature)
+        self.thread = threading.Thread(target=self._read, args=(engine, req, seed), daemon=True)
+        self.thread.start()
+
+    def _read(self, engine, req, seed: int) -> None:
+        try:
+            for pair in engine.stream(req, seed=seed, cancel=self.cancel):
+                with self.lock:
+                    self.pending.append(pair)
+        except BaseException as e:  # noqa: BLE001 - handed to the agent's loop, which raises it there
+            self.error = e
+        finally:
+            self.ended = True
+
+    def take(self) -> list[tuple[int, float]]:
+        with self.lock:
+            got, self.pending = self.pending, []
+        return got
+
+    def stop(self) -> None:
+        """Abort on the server (within one token) and wait for the reader."""
+        self.cancel.set()
+        self.thread.join(timeout=30)
+
+
+class VLLMCellDevice(RealDevice):
+    label = "vllm"
+
+    def __init__(self, cell: int, policy_dir: str, weights_root: str, train: dict, seed: int,
+                 start_version: int = 0, groups=None, engine: dict | None = None) -> None:
+        super().__init__(cell, policy_dir, weights_root, train, seed, start_version, groups)
+        from ..engine.vllm import ServerSpec, VLLMEngine, VLLMServer
+        from ..seeds import cell_stream
+
+        kw = dict(engine or {})
+        # float32 on both sides agree to rounding; bf16 kernels differ by up to tenths on unlikely tokens
+        self.reload_tol = kw.pop("reload_check_tol", None) or (1e-3 if kw.get("dtype", "auto") in ("auto", "float32")
+                                                                else 0.5)
+        spec = ServerSpec(model_dir=policy_dir, seed=cell_stream(seed, cell), **kw)
+        self.server = VLLMServer(spec).start()
+        self.vllm = VLLMEngine(self.server, self.engine.stop_ids, seed=cell_stream(seed, cell))
+        self.label = f"vllm/{self.label.split('/', 1)[1]}"
+        self.served = -1                  # the version the server holds (its start-up weights: the policy dir)
+        self.streams: dict[int, _Stream] = {}
+        self._opened = 0
+        self._serve_newest()
+
+    # -- weights on the server --------------------------------------------------------------------
+    def _serve_newest(self) -> None:
+        """Load the newest published version into the server, checked against this cell's own copy."""
+        from ..engine.interface import model_logprobs, probe_ids
+        from ..engine.vllm import VLLMError
+        from ..trainer.publish import version_uri
+
+        self._sync()                      # the cell's model (shared with its trainer) holds it too
+        if self.served == self.version:
+            return
+        self.vllm.load_published(version_uri(self.weights_root, self.version), self.version)
+        ids = probe_ids(self.vocab_size, seed=self.version)
+        err = max(abs(a - b) for a, b in zip(self.vllm.probe_logprobs(ids), model_logprobs(self.engine.model, ids)))
+        if err > self.reload_tol:
+            raise VLLMError(f"cell {self.cell}: after loading version {self.version} the server's log-probs differ "
+                            f"from the cell's by up to {err:.3g} > {self.reload_tol:g}")
+        self.served = self.version
+
+    # -- rollout ---------------------------------------------------------------------------------
+    def _open(self, g: _LiveCall) -> None:
+        from ..engine.interface import mix_seed
+
+        self._opened += 1
+        self.streams[g.call_id] = _Stream(self.vllm, g, self.served, mix_seed(self.vllm.seed, self._opened, 0))
+
+    def start(self, g: _LiveCall, now: float) -> None:
+        if self.published > self.served:
+            self._serve_newest()
+        self._open(g)
+
+    def due(self, gens: list[_LiveCall]) -> float | None:
+        if not gens:
+            return None
+        ready = any(s.pending or s.ended for s in self.streams.values()) or self.published > self.served
+        return time.monotonic() + (0.0 if ready else 0.002)
+
+    def advance(self, gens: list[_LiveCall], now: float) -> list[_LiveCall]:
+        finished = []
+        if self.published > self.served:      # a new version: stop every stream, reload, continue each
+            for s in self.streams.values():
+                s.stop()
+            finished = self._collect(gens)    # what the old version finished; the rest stays in `streams`
+            live = [g for g in gens if g.call_id in self.streams]
+            self.streams.clear()
+            self._serve_newest()
+            for g in live:
+                self._open(g)
+        return finished + self._collect(gens)
+
+    def _collect(self, gens: list[_LiveCall]) -> list[_LiveCall]:
+        finished = []
+        for g in gens:
+            s = self.streams.get(g.call_id)
+            if s is None:
+                continue
+            ended = s.ended               # read before taking: tokens that arrive later stay pending
+            got = s.take()
+            g.ids += [t for t, _ in got]
+            g.logprobs += [lp for _, lp in got]
+            g.versions += [s.version] * len(got)
+            if s.error is not None and not s.cancel.is_set():
+                raise s.error
+            if self._complete(g) or (ended and not s.pending and not s.cancel.is_set()):
+                self.streams.pop(g.call_id).stop()
+                finished.append(g)
+        return finished
+
+    def _complete(self, g: _LiveCall) -> bool:
+        return bool(g.ids) and (g.ids[-1] in self.stops or len(g.ids) >= g.req.max_new_tokens)
+
+    def release(self, key: str) -> None:
+        """The call went elsewhere (a cancel, a role change) or its context is done: abort its request."""
+        for cid, s in list(self.streams.items()):
+            if s.key == key:
+                s.stop()
+                del self.streams[cid]
+        super().release(key)
+
+    def close(self) -> None:
+        for s in self.streams.values():
+            s.stop()
+        self.vllm.close()
+        self.server.stop()
+
