@@ -292,8 +292,17 @@ def cmd_bench(args) -> int:
 def _run_bench(args):
     if args.what == "engine":
         from bench.engine import bench_engine
+        from gyre_core.engine.vllm import VLLMError, vllm_python
 
         result = bench_engine()
+        try:                          # vLLM beside the local engine and HF (bench/engine_vllm.py)
+            vllm_python()
+        except VLLMError as exc:
+            result["vllm"] = f"skipped: {exc}"
+        else:
+            from bench.engine_vllm import bench_vllm
+
+            result.update(bench_vllm())
     elif args.what == "processor":
         from bench.processor import bench_processor
 

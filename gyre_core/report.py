@@ -61,6 +61,12 @@ def summarize(run_dir: str, started_at: float | None = None) -> dict:
         summary["elastic"] = {k: el.get(k) for k in ("policy", "mode", "k", "step_s", "busy_frac", "switches",
                                                      "switch_s_rollout_to_train", "switch_s_train_to_rollout",
                                                      "reroutes", "stale_dropped", "dead_cells", "notes")}
+    if per_step:    # how far the engine's log-probs were from the trainer's (vLLM: kernels, dtypes)
+        summary["engine"] = {
+            "kind": run.cfg.engine.kind,
+            "logprob_mismatch": sum(m.get("train/logprob_mismatch", 0.0) for m in per_step) / len(per_step),
+            "tis_clip_frac": sum(m.get("train/tis_clip_frac", 0.0) for m in per_step) / len(per_step),
+            "reload_max_logprob_err": max(m.get("engine/reload_max_logprob_err", 0.0) for m in per_step)}
     summary["executions"] = sum(r.get("executions", 0) for r in rollouts) + ws.get("demos", 0) + ctrl.get(
         "demos", 0) + sum((x.get(m) or {}).get("episodes", 0) for x in (before, after, ctrl_eval)
                           for m in ("sampled", "greedy", "random"))
@@ -252,13 +258,21 @@ def render_summary(s: dict) -> None:
             r = s["rl_vs_control"]
             t.add_row("RL minus control, 95% CI", "",
                       f"{100 * r['diff']:+.1f} [{100 * r['ci95_low']:+.1f}, {100 * r['ci95_high']:+.1f}]")
-    t.add_row("uniform-random policy", pct(s["eval_random"]["success"]), "")
-    t.add_row(f"{_demonstrator(s['expert'])}, same turn limit ({s['expert']['episodes']} demo seeds)",
-              pct(s["expert"]["success"]), "")
+    if s["eval_random"].get("success") is not None:
+        t.add_row("uniform-random policy", pct(s["eval_random"]["success"]), "")
+    if s["expert"]["episodes"]:
+        t.add_row(f"{_demonstrator(s['expert'])}, same turn limit ({s['expert']['episodes']} demo seeds)",
+                  pct(s["expert"]["success"]), "")
     t.add_row("held-out episodes (paired)", str(s["eval_episodes"]), "yes" if s["eval_paired"] else "no")
     t.add_row("RL steps / executions run", "", f"{s['rl_steps']} / {s['executions']}")
     t.add_row("tokens generated / trained", "", f"{s['tokens_generated']:,} / {s['tokens_trained']:,}")
+    if (e := s.get("engine")) and e["kind"] != "local":
+        t.add_row(f"{e['kind']}: mean |Δ log-prob| vs trainer, TIS-truncated", "",
+                  f"{e['logprob_mismatch']:.4f}, {100 * e['tis_clip_frac']:.2f}%")
+        t.add_row(f"{e['kind']}: reload check, max |Δ log-prob|", "", f"{e['reload_max_logprob_err']:.3g}")
     for k, v in s["phase_s"].items():
+        if k == "control" and "control" not in s:
+            continue                   # no control was run
         t.add_row(f"time: {k}", "", f"{v:.1f} s")
     t.add_row("time: all phases", "", f"{s['work_s']:.1f} s")
     t.add_row("time: wall (this invocation)", "", f"{s['wall_s']:.1f} s")

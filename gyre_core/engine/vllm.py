@@ -130,8 +130,9 @@ class VLLMServer:
         env.pop("VIRTUAL_ENV", None)
         if s.devices is not None:
             env["CUDA_VISIBLE_DEVICES"] = s.devices
-        if s.threads:
+        if s.threads:                    # CPU: that many OpenMP threads, bound to the first cores
             env["OMP_NUM_THREADS"] = str(s.threads)
+            env["VLLM_CPU_OMP_THREADS_BIND"] = "0" if s.threads == 1 else f"0-{s.threads - 1}"
         return env
 
     def start(self) -> "VLLMServer":
