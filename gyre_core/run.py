@@ -181,6 +181,10 @@ class RunDir:
             _CACHE[k] = make()
         return _CACHE[k]
 
+    def peek_cached(self, key: str):
+        """What `cached(key, ...)` holds in this process, or None (nothing is made)."""
+        return _CACHE.get((str(self.path.resolve()), key))
+
     def drop_cached(self, key: str) -> None:
         _CACHE.pop((str(self.path.resolve()), key), None)
 

@@ -15,20 +15,21 @@ from __future__ import annotations
 import threading
 import time
 
-from .agent import RealDevice, _LiveCall
+from .devices import LiveCall, RealDevice
 
 
 class _Stream:
     """One call's request on the server, read by its own thread into `pending`."""
 
-    def __init__(self, engine, g: _LiveCall, version: int, seed: int):
+    def __init__(self, engine, g: LiveCall, version: int, seed: int):
         from ..engine.interface import GenRequest
 
         self.key, self.version = g.req.key, version
         self.cancel = threading.Event()
         self.pending: list[tuple[int, float]] = []
         self.lock = threading.Lock()
-        self.ended = False
+        self.ended = False            # the reader is done: the request finished, failed or was let go
+        self.aborted = False          # let go by this cell before the request finished
         self.error: BaseException | None = None
         req = GenRequest(g.req.key, g.req.prompt_ids + g.ids, g.req.max_new_tokens - len(g.ids), g.req.temperature)
         self.thread = threading.Thread(target=self._read, args=(engine, req, seed), daemon=True)
@@ -49,28 +50,34 @@ class _Stream:
             got, self.pending = self.pending, []
         return got
 
-    def stop(self) -> None:
-        """Abort on the server (within one token) and wait for the reader."""
+    def let_go(self) -> None:
+        """Ask the reader to drop the connection (the server aborts the request at its next token)."""
+        self.aborted = not self.ended
         self.cancel.set()
-        self.thread.join(timeout=30)
+
+
+def stop_all(streams) -> None:
+    """Let go of every stream first, then wait for the readers (each within about one token)."""
+    streams = list(streams)
+    for s in streams:
+        s.let_go()
+    for s in streams:
+        s.thread.join(timeout=30)
 
 
 class VLLMCellDevice(RealDevice):
-    label = "vllm"
-
     def __init__(self, cell: int, policy_dir: str, weights_root: str, train: dict, seed: int,
                  start_version: int = 0, groups=None, engine: dict | None = None) -> None:
+        """`engine`: the run's `EngineConfig` as a dict (its `concurrency`: the cell's capacity)."""
         super().__init__(cell, policy_dir, weights_root, train, seed, start_version, groups)
         from ..engine.vllm import ServerSpec, VLLMEngine, VLLMServer
         from ..seeds import cell_stream
 
         kw = dict(engine or {})
-        # float32 on both sides agree to rounding; bf16 kernels differ by up to tenths on unlikely tokens
-        self.reload_tol = kw.pop("reload_check_tol", None) or (1e-3 if kw.get("dtype", "auto") in ("auto", "float32")
-                                                                else 0.5)
-        spec = ServerSpec(model_dir=policy_dir, seed=cell_stream(seed, cell), **kw)
-        self.server = VLLMServer(spec).start()
-        self.vllm = VLLMEngine(self.server, self.engine.stop_ids, seed=cell_stream(seed, cell))
+        spec = ServerSpec.from_config(kw, policy_dir, cell_stream(seed, cell))
+        self.reload_tol = spec.reload_tolerance(kw.get("reload_check_tol"))
+        self.vllm = VLLMEngine(VLLMServer(spec).start(), self.engine.stop_ids, seed=cell_stream(seed, cell),
+                               concurrency=kw.get("concurrency", 64), owns_server=True)
         self.label = f"vllm/{self.label.split('/', 1)[1]}"
         self.served = -1                  # the version the server holds (its start-up weights: the policy dir)
         self.streams: dict[int, _Stream] = {}
@@ -79,45 +86,49 @@ class VLLMCellDevice(RealDevice):
 
     # -- weights on the server --------------------------------------------------------------------
     def _serve_newest(self) -> None:
-        """Load the newest published version into the server, checked against this cell's own copy."""
-        from ..engine.interface import model_logprobs, probe_ids
+        """Load the newest published version into the server (no stream may be open), checked against
+        this cell's own copy of it."""
+        from ..engine.interface import check_served, probe_ids
         from ..engine.vllm import VLLMError
         from ..trainer.publish import version_uri
 
+        assert not self.streams, "a reload under open streams would mislabel their tokens' versions"
         self._sync()                      # the cell's model (shared with its trainer) holds it too
         if self.served == self.version:
             return
+        self.served = -1
         self.vllm.load_published(version_uri(self.weights_root, self.version), self.version)
-        ids = probe_ids(self.vocab_size, seed=self.version)
-        err = max(abs(a - b) for a, b in zip(self.vllm.probe_logprobs(ids), model_logprobs(self.engine.model, ids)))
-        if err > self.reload_tol:
+        check = check_served(self.vllm, self.engine.model, probe_ids(self.vocab_size, seed=self.version),
+                             self.reload_tol)
+        if not check["ok"]:
             raise VLLMError(f"cell {self.cell}: after loading version {self.version} the server's log-probs differ "
-                            f"from the cell's by up to {err:.3g} > {self.reload_tol:g}")
+                            f"from the cell's by {check['mean']:.3g} on average > {self.reload_tol:g}")
         self.served = self.version
 
     # -- rollout ---------------------------------------------------------------------------------
-    def _open(self, g: _LiveCall) -> None:
+    def _open(self, g: LiveCall) -> None:
         from ..engine.interface import mix_seed
 
         self._opened += 1
         self.streams[g.call_id] = _Stream(self.vllm, g, self.served, mix_seed(self.vllm.seed, self._opened, 0))
 
-    def start(self, g: _LiveCall, now: float) -> None:
-        if self.published > self.served:
-            self._serve_newest()
+    def start(self, g: LiveCall, now: float) -> None:
+        if self.published > self.served and not self.streams:
+            self._serve_newest()      # nothing in flight: take the new version now (else `advance` does)
         self._open(g)
 
-    def due(self, gens: list[_LiveCall]) -> float | None:
-        if not gens:
+    def due(self, gens: list[LiveCall]) -> float | None:
+        if not self.streams:
             return None
         ready = any(s.pending or s.ended for s in self.streams.values()) or self.published > self.served
         return time.monotonic() + (0.0 if ready else 0.002)
 
-    def advance(self, gens: list[_LiveCall], now: float) -> list[_LiveCall]:
+    def advance(self, gens: list[LiveCall], now: float) -> list[LiveCall]:
+        if not self.streams:          # e.g. a training cell: new versions reach its server when it rolls out
+            return []
         finished = []
         if self.published > self.served:      # a new version: stop every stream, reload, continue each
-            for s in self.streams.values():
-                s.stop()
+            stop_all(self.streams.values())
             finished = self._collect(gens)    # what the old version finished; the rest stays in `streams`
             live = [g for g in gens if g.call_id in self.streams]
             self.streams.clear()
@@ -126,7 +137,7 @@ class VLLMCellDevice(RealDevice):
                 self._open(g)
         return finished + self._collect(gens)
 
-    def _collect(self, gens: list[_LiveCall]) -> list[_LiveCall]:
+    def _collect(self, gens: list[LiveCall]) -> list[LiveCall]:
         finished = []
         for g in gens:
             s = self.streams.get(g.call_id)
@@ -137,27 +148,23 @@ class VLLMCellDevice(RealDevice):
             g.ids += [t for t, _ in got]
             g.logprobs += [lp for _, lp in got]
             g.versions += [s.version] * len(got)
-            if s.error is not None and not s.cancel.is_set():
+            if s.error is not None and not s.aborted:
                 raise s.error
-            if self._complete(g) or (ended and not s.pending and not s.cancel.is_set()):
-                self.streams.pop(g.call_id).stop()
+            if self._complete(g) or (ended and not s.pending and not s.aborted):
+                s.let_go()
+                del self.streams[g.call_id]
                 finished.append(g)
         return finished
 
-    def _complete(self, g: _LiveCall) -> bool:
+    def _complete(self, g: LiveCall) -> bool:
         return bool(g.ids) and (g.ids[-1] in self.stops or len(g.ids) >= g.req.max_new_tokens)
 
     def release(self, key: str) -> None:
         """The call went elsewhere (a cancel, a role change) or its context is done: abort its request."""
-        for cid, s in list(self.streams.items()):
-            if s.key == key:
-                s.stop()
-                del self.streams[cid]
+        gone = [cid for cid, s in self.streams.items() if s.key == key]
+        stop_all(self.streams.pop(cid) for cid in gone)
         super().release(key)
 
     def close(self) -> None:
-        for s in self.streams.values():
-            s.stop()
+        stop_all(self.streams.values())
         self.vllm.close()
-        self.server.stop()
-

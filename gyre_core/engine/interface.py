@@ -27,7 +27,7 @@ class GenRequest:
 class GenResult:
     completion_ids: list[int]  # includes the stop token when it stopped on one
     logprobs: list[float]      # behaviour log-prob of each token under softmax(logits / T) (T=1 for greedy)
-    finish_reason: str         # "stop" | "length" | "abort"
+    finish_reason: str         # "stop" | "length"
     entropy: float = 0.0       # entropy (nats) of the first token's distribution (0 when the engine cannot say)
 
 
@@ -69,6 +69,16 @@ def probe_ids(vocab_size: int, n: int = 48, seed: int = 0) -> list[int]:
 
     rng = random.Random(seed)
     return [rng.randrange(vocab_size) for _ in range(n)]
+
+
+def check_served(engine, reference, ids: list[int], tol: float) -> dict:
+    """An engine's log-probs of `ids` against a reference model's (`model_logprobs`): {"max": max |Δ|,
+    "mean": mean |Δ|, "ok": mean ≤ tol}. The mean is what is judged: in half precision the max over a
+    random probe is dominated by one unlikely token."""
+    got, want = engine.probe_logprobs(ids), model_logprobs(reference, ids)
+    diffs = [abs(a - b) for a, b in zip(got, want)]
+    mean = sum(diffs) / max(len(diffs), 1)
+    return {"max": max(diffs, default=0.0), "mean": mean, "ok": mean <= tol}
 
 
 def model_logprobs(model, ids: list[int]) -> list[float]:

@@ -36,7 +36,7 @@ import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 from .interface import GenRequest, GenResult, mix_seed, validate_requests
@@ -64,17 +64,43 @@ def vllm_python() -> str:
 
 @dataclass
 class ServerSpec:
+    """A server's settings. It runs on the devices its process sees (CUDA_VISIBLE_DEVICES as inherited)."""
+
     model_dir: str
-    dtype: str = "auto"                 # vLLM --dtype: auto | float32 | bfloat16 | float16
+    dtype: str = "auto"                 # float32 | bfloat16 | float16; auto: the checkpoint's (config.json)
     seed: int = 0
     max_model_len: int | None = None    # None: the model's own limit
-    kv_cache_gib: float = 1.0           # CPU: VLLM_CPU_KVCACHE_SPACE
+    kv_cache_gib: int = 1               # CPU: VLLM_CPU_KVCACHE_SPACE
     gpu_memory_utilization: float = 0.85
-    devices: str | None = None          # CUDA_VISIBLE_DEVICES of the server (None: inherited)
     threads: int | None = None          # CPU: OpenMP threads of the worker (None: vLLM's choice)
     start_timeout_s: float = 300.0
     log_path: str | None = None         # server output (None: a temporary file)
-    extra_args: list[str] = field(default_factory=list)
+
+    @classmethod
+    def from_config(cls, engine_cfg, model_dir: str, seed: int) -> "ServerSpec":
+        """The settings an `EngineConfig` (or its `model_dump()`) gives a server on `model_dir`."""
+        e = engine_cfg if isinstance(engine_cfg, dict) else engine_cfg.model_dump()
+        return cls(model_dir=str(model_dir), dtype=e["dtype"], seed=seed, max_model_len=e["max_model_len"],
+                   kv_cache_gib=e["kv_cache_gib"], gpu_memory_utilization=e["gpu_memory_utilization"],
+                   start_timeout_s=e["start_timeout_s"])
+
+    @property
+    def served_dtype(self) -> str:
+        """What the server computes in: `dtype`, with `auto` read from the checkpoint (vLLM's own `auto`
+        would serve a float32 checkpoint in half precision)."""
+        if self.dtype != "auto":
+            return self.dtype
+        try:
+            found = json.loads((Path(self.model_dir) / "config.json").read_text())
+        except (OSError, ValueError):
+            return "float32"
+        name = str(found.get("dtype") or found.get("torch_dtype") or "float32").replace("torch.", "")
+        return name if name in ("float32", "bfloat16", "float16") else "float32"
+
+    def reload_tolerance(self, configured: float | None) -> float:
+        """The largest mean |Δ log-prob| a reload check accepts: `configured`, else 1e-4 when the server
+        computes in float32 (kernels agree to rounding) and 0.1 in half precision."""
+        return configured or (1e-4 if self.served_dtype == "float32" else 0.1)
 
 
 def _free_port() -> int:
@@ -105,7 +131,7 @@ class VLLMServer:
         s = self.spec
         cmd = [vllm_python(), "-m", "vllm.entrypoints.openai.api_server", "--model", s.model_dir,
                "--served-model-name", SERVED_NAME, "--host", "127.0.0.1", "--port", str(self.port),
-               "--dtype", s.dtype, "--seed", str(s.seed), "--enforce-eager",
+               "--dtype", s.served_dtype, "--seed", str(s.seed), "--enforce-eager",
                "--logprobs-mode", "processed_logprobs",
                "--worker-extension-cls", "gyre_vllm_extension.WeightLoader",
                "--generation-config", "vllm", "--disable-uvicorn-access-log"]
@@ -119,17 +145,15 @@ class VLLMServer:
             # longest prompt.
             longest = s.max_model_len or _model_max_len(s.model_dir)
             cmd += ["--no-enable-chunked-prefill", "--max-num-batched-tokens", str(max(longest, 2048))]
-        return cmd + list(s.extra_args)
+        return cmd
 
     def environment(self) -> dict[str, str]:
         s = self.spec
         env = dict(os.environ)
-        env.update(VLLM_SERVER_DEV_MODE="1", VLLM_CPU_KVCACHE_SPACE=str(max(1, round(s.kv_cache_gib))),
+        env.update(VLLM_SERVER_DEV_MODE="1", VLLM_CPU_KVCACHE_SPACE=str(s.kv_cache_gib),
                    VLLM_NO_USAGE_STATS="1", DO_NOT_TRACK="1", HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false",
                    PYTHONPATH=os.pathsep.join([str(EXTENSION_DIR)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else [])))
         env.pop("VIRTUAL_ENV", None)
-        if s.devices is not None:
-            env["CUDA_VISIBLE_DEVICES"] = s.devices
         if s.threads:                    # CPU: that many OpenMP threads, bound to the first cores
             env["OMP_NUM_THREADS"] = str(s.threads)
             env["VLLM_CPU_OMP_THREADS_BIND"] = "0" if s.threads == 1 else f"0-{s.threads - 1}"
@@ -141,16 +165,19 @@ class VLLMServer:
         if self.proc is not None:
             return self
         self.port = _free_port()
-        log = open(self.log_path, "ab")
-        self.proc = subprocess.Popen(self.command(), env=self.environment(), stdout=log, stderr=subprocess.STDOUT,
-                                     stdin=subprocess.DEVNULL, start_new_session=True)
-        log.close()
+        cmd, env = self.command(), self.environment()
+        print(f"gyre: starting a vLLM server for {self.spec.model_dir} on {self.url} (log: {self.log_path})",
+              file=sys.stderr, flush=True)
+        with open(self.log_path, "ab") as log:
+            # its own process group (stopped whole); SIGTERM to it if this process dies without cleaning up
+            self.proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                         start_new_session=True, preexec_fn=_die_with_parent)
         _LIVE.add(self)
         deadline = time.monotonic() + self.spec.start_timeout_s
         while True:
             if self.proc.poll() is not None:
-                self.proc = None
-                raise VLLMError(f"the vLLM server exited while starting (code {self._code}): {self.last_error()} "
+                self.stop()
+                raise VLLMError(f"the vLLM server exited while starting: {self.last_error()} "
                                 f"(log: {self.log_path})")
             try:
                 if httpx.get(self.url + "/health", timeout=2).status_code == 200:
@@ -162,10 +189,6 @@ class VLLMServer:
                 raise VLLMError(f"the vLLM server was not healthy after {self.spec.start_timeout_s:.0f} s "
                                 f"(log: {self.log_path})")
             time.sleep(0.5)
-
-    @property
-    def _code(self):
-        return None if self.proc is None else self.proc.returncode
 
     def last_error(self) -> str:
         """The most telling line of the server's log: the first exception it logged (the root cause; the
@@ -182,10 +205,11 @@ class VLLMServer:
         return self.proc is not None and self.proc.poll() is None
 
     def stop(self) -> None:
-        """Terminate the server and its children (its own process group); kill what does not exit."""
+        """Terminate the server and its children (its own process group): SIGTERM, then SIGKILL to whatever
+        of the group is left (engine-core children may outlive the leader)."""
         proc, self.proc = self.proc, None
         _LIVE.discard(self)
-        if proc is None or proc.poll() is not None:
+        if proc is None:
             return
         for sig, wait in ((signal.SIGTERM, 15), (signal.SIGKILL, 5)):
             try:
@@ -194,9 +218,8 @@ class VLLMServer:
                 return
             try:
                 proc.wait(wait)
-                return
             except subprocess.TimeoutExpired:
-                continue
+                pass
 
     def __enter__(self):
         return self.start()
@@ -206,6 +229,17 @@ class VLLMServer:
 
 
 _LIVE: set[VLLMServer] = set()
+
+
+def _die_with_parent() -> None:
+    """In the server's process before exec: Linux sends it SIGTERM when its parent dies (a cell agent
+    SIGKILLed by its coordinator cannot run atexit)."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)    # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
 _EXCEPTION = re.compile(r"\b\w*(Error|Exception): ")
 
 
@@ -227,12 +261,14 @@ class VLLMEngine:
     """The engine interface (`engine.interface`) over a running `VLLMServer`. Thread-safe."""
 
     def __init__(self, server: VLLMServer, stop_ids: list[int], *, version: int = 0, seed: int = 0,
-                 concurrency: int = 64, request_timeout_s: float = 600.0):
+                 concurrency: int = 64, request_timeout_s: float = 600.0, owns_server: bool = False):
+        """`concurrency`: requests (and streams) in flight at once; `owns_server`: `close()` stops it too."""
         import httpx
 
         if not stop_ids:
             raise ValueError("stop_ids is empty: generation could only end on max_new_tokens")
-        self.server = server
+        self.server, self.owns_server = server, owns_server
+        self.ignore_eos = False       # True: stop on `stop_ids` only, never on the model's own EOS (benchmarks)
         self.stop_ids = sorted(set(int(i) for i in stop_ids))
         self.version, self.seed = version, seed
         self.concurrency = concurrency
@@ -248,7 +284,7 @@ class VLLMEngine:
         return {"model": SERVED_NAME, "prompt": list(req.prompt_ids), "max_tokens": req.max_new_tokens,
                 "temperature": req.temperature, "top_p": 1.0, "seed": seed, "logprobs": 0,
                 "return_token_ids": True, "return_tokens_as_token_ids": True, "stop_token_ids": self.stop_ids,
-                "ignore_eos": False, "skip_special_tokens": False, "stream": stream}
+                "ignore_eos": self.ignore_eos, "skip_special_tokens": False, "stream": stream}
 
     def _next_call(self) -> int:
         with self._lock:
@@ -344,6 +380,8 @@ class VLLMEngine:
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
         self._http.close()
+        if self.owns_server:
+            self.server.stop()
 
     # ---- plumbing -------------------------------------------------------------------------------------
     def _post(self, path: str, body) -> dict:

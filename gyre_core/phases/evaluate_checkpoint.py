@@ -167,7 +167,8 @@ def evaluate_checkpoint(cfg: GyreConfig, checkpoint: str, label: str = "checkpoi
     t0 = time.time()
     with tempfile.TemporaryDirectory(prefix="gyre-checkpoint-") as tmp:
         ck = download(checkpoint, cfg, tmp) if is_mlflow_uri(checkpoint) else resolve_local(checkpoint, cfg)
-        model, tok, weights = _load(ck, cfg.model.device)
+        # with vLLM decoding, the model loaded here only checks the server's weights: on the CPU
+        model, tok, weights = _load(ck, "cpu" if cfg.engine.kind == "vllm" else cfg.model.device)
         result = _evaluate(cfg, ck, model, tok, weights, label)
     result["warnings"] = _mismatch(cfg, ck)
     result["wall_s"] = time.time() - t0
@@ -189,20 +190,42 @@ def _mismatch(cfg: GyreConfig, ck: Checkpoint) -> list[str]:
             f"{setting(cfg, name)}" for name in ("env", "harness") if setting(trained, name) != setting(cfg, name)]
 
 
+def _serve_checked(cfg: GyreConfig, engine, model, tok, weights, uri: str, ck: Checkpoint) -> None:
+    """Load a run's published version into the vLLM server and check it as a run checks every reload."""
+    from ..engine.interface import check_served, probe_ids
+
+    model.load_state_dict(weights, strict=False)
+    engine.load_published(uri, ck.version)
+    tol = engine.server.spec.reload_tolerance(cfg.engine.reload_check_tol)
+    check = check_served(engine, model, probe_ids(len(tok), seed=max(ck.version, 0)), tol)
+    if not check["ok"]:
+        raise CheckpointError(f"checkpoint {ck.source!r}: the vLLM server's log-probs differ from the published "
+                              f"weights' by {check['mean']:.3g} on average > {tol:g}")
+
+
 def _evaluate(cfg: GyreConfig, ck: Checkpoint, model, tok, weights, label: str) -> dict:
     from ..evaluation import success_interval
     from ..lake import Lake, calls_table, executions_table
     from .held_out import eval_modes, held_out
     from .run_objects import PolicyBundle, run_specs
 
-    bundle = PolicyBundle.of(model, tok, cfg.run.seed, version=EXTERNAL_VERSION)
+    model_dir = str(RunDir.open(ck.path).policy0 if ck.kind == "run" else ck.path)
+    bundle = PolicyBundle.of(model, tok, cfg.run.seed, version=EXTERNAL_VERSION, engine_cfg=cfg.engine,
+                             model_dir=model_dir)
     engine = bundle.engine
-    if weights is not None:          # a run: its initial model with the version's weights, as engine_at does
-        engine.set_weights(weights, ck.version)
-    run_id, part = checkpoint_eval_names(label)
-    records, summaries = held_out(cfg, label, eval_modes(cfg), run_id, ck.version, f"{run_id}/",
-                                  lambda specs, policy, on_finish: run_specs(cfg, bundle, specs, policy, on_finish),
-                                  engine=engine)
+    try:
+        if weights is not None:      # a run: its initial model with the version's weights, as engine_at does
+            if cfg.engine.kind == "vllm":
+                _serve_checked(cfg, engine, model, tok, weights, RunDir.open(ck.path).weights_uri(ck.version), ck)
+            else:
+                engine.set_weights(weights, ck.version)
+        run_id, part = checkpoint_eval_names(label)
+        records, summaries = held_out(cfg, label, eval_modes(cfg), run_id, ck.version, f"{run_id}/",
+                                      lambda specs, policy, on_finish: run_specs(cfg, bundle, specs, policy, on_finish),
+                                      engine=engine)
+    finally:
+        if hasattr(engine, "close"):         # a vLLM server started for this evaluation
+            engine.close()
     out: dict = {"label": label, "checkpoint": ck.source, "kind": ck.kind, "resolved": str(ck.path),
                  "policy_version": ck.version, "preset": cfg.preset, **summaries}
     tables = {"executions": executions_table(records), "calls": calls_table(records)}

@@ -21,7 +21,7 @@ from ..elastic.work import Report
 from ..run import CheckpointError, RunDir, publish_marker, step_part
 from ..ui import phase
 from .rl_step import task_groups
-from .run_objects import env_factory, policy_bundle, tracker, write_records
+from .run_objects import drop_engine, env_factory, policy_bundle, tracker, write_records
 
 
 def elastic_rl(run_dir: str, on_role=None, launcher=None) -> dict:
@@ -50,6 +50,7 @@ def elastic_rl(run_dir: str, on_role=None, launcher=None) -> dict:
     if cfg.elastic.launch == "prefect" and launcher is None:
         raise ConfigError("elastic.launch=prefect: cell agents start as Prefect flow runs, which only the train "
                           "flow's elastic-rl task creates (`gyre train`, or the `train` deployment)")
+    drop_engine(run)             # an evaluation's vLLM server: the cells start their own on these devices
     start = run.latest_version()                # steps before it finished in an earlier invocation
     work = HarnessWork(run_dir, cfg.rl.steps, first_step=start)
     t = tracker(run)
@@ -166,17 +167,14 @@ class HarnessWork:
                  "temperature": cfg.rollout.temperature, "clip_low": rl.clip_low, "clip_high": rl.clip_high,
                  "is_cap": cfg.elastic.is_cap, "negative_scale": rl.negative_scale,
                  "micro_batch_tokens": rl.micro_batch_tokens, "entropy_coef": rl.entropy_coef,
-                 "optimizer": rl.optimizer,
+                 "optimizer": rl.optimizer, "dtype": cfg.trainer.dtype,
+                 "gradient_checkpointing": cfg.trainer.gradient_checkpointing,
                  "device": cfg.model.device}
         args = ["--mode", "real", "--policy", str(self.run.warm), "--weights", self.run.weights_root,
                 "--start-version", str(self.first_step),
                 "--train-json", json.dumps(train), "--seed", str(cfg.run.seed), "--threads", str(self.threads)]
         if cfg.engine.kind == "vllm":       # rollout on a vLLM server per cell, on the cell's devices
-            e = cfg.engine
-            args += ["--engine-json", json.dumps({
-                "dtype": e.dtype, "max_model_len": e.max_model_len, "kv_cache_gib": e.kv_cache_gib,
-                "gpu_memory_utilization": e.gpu_memory_utilization, "start_timeout_s": e.start_timeout_s,
-                "reload_check_tol": e.reload_check_tol})]
+            args += ["--engine-json", json.dumps({**cfg.engine.model_dump(), "concurrency": cfg.elastic.capacity})]
         return args
 
     def take_records(self, step: int) -> list:

@@ -59,7 +59,7 @@ def rollout(run_dir: str, step: int) -> str:
         "tokens_generated": sum(r.tokens_generated for r in records), "rollout_s": time.time() - t0,
     }
     if (check := reload_checks(run).get(step)) is not None:    # this version's weights went to a server
-        stats["reload_max_logprob_err"] = check["max_logprob_err"]
+        stats["reload_max_logprob_err"], stats["reload_mean_logprob_err"] = check["max"], check["mean"]
     return run.mark(step_marker("rollout", step), stats)["part"]
 
 
@@ -254,7 +254,7 @@ def _train_step(run: RunDir, step: int, batch, t0: float) -> str:
         "clip_frac_in_update": totals.get("clip_frac", 0.0) / n,
         "entropy": totals.get("entropy", 0.0) / n,
         "logprob_mismatch": first_epoch.get("logprob_mismatch", 0.0) / n0,
-        "tis_clip_frac": first_epoch.get("is_truncated", 0.0) / n0,
+        **({"tis_clip_frac": first_epoch.get("is_truncated", 0.0) / n0} if rl.tis_cap else {}),
         "tokens_trained": first_epoch.get("tokens", 0.0), "grad_norm": grad_norm,
         "kl_backtracks": backtracks, "lr": lr,
         "staleness": 0, "train_s": time.time() - t0,
@@ -277,8 +277,8 @@ def _update(run: RunDir, step: int, trainer, chunks, normaliser: float):
     with phase(f"step {step}: train", rl.epochs * len(chunks)) as tick:
         for epoch in range(rl.epochs):
             for k, chunk in enumerate(chunks):
-                st = trainer.micro_step(chunk, normaliser, objective=objective, is_cap=rl.tis_cap or 1.0,
-                                        prox_logprobs=prox[k],
+                st = trainer.micro_step(chunk, normaliser, objective=objective, prox_logprobs=prox[k],
+                                        **({"is_cap": rl.tis_cap} if rl.tis_cap else {}),
                                         temperature=cfg.rollout.temperature, clip_low=rl.clip_low, clip_high=rl.clip_high,
                                         negative_scale=rl.negative_scale, entropy_coef=rl.entropy_coef,
                                         last=k == len(chunks) - 1)
@@ -333,11 +333,12 @@ def step_metrics(run: RunDir, step: int) -> dict[str, float]:
         "train/loss": tr.get("loss", 0.0), "train/kl": tr.get("kl", 0.0), "train/clip_frac": tr.get("clip_frac", 0.0),
         "train/clip_frac_in_update": tr.get("clip_frac_in_update", 0.0),
         "train/entropy": tr.get("entropy", 0.0), "train/logprob_mismatch": tr.get("logprob_mismatch", 0.0),
-        "train/tis_clip_frac": tr.get("tis_clip_frac", 0.0),
-        "engine/reload_max_logprob_err": ro.get("reload_max_logprob_err", 0.0),
         "train/grad_norm": tr.get("grad_norm", 0.0), "train/staleness": tr.get("staleness", 0),
         "train/kl_backtracks": tr.get("kl_backtracks", 0), "train/lr": tr.get("lr", run.cfg.rl.lr),
         "tokens/packed_computed": tr.get("packing_tokens_computed", 0), "tokens/flat": tr.get("packing_tokens_flat", 0),
         "time/rollout_s": ro.get("rollout_s", 0.0), "time/score_s": sc.get("score_s", 0.0),
         "time/process_s": pr.get("process_s", 0.0), "time/train_s": tr.get("train_s", 0.0),
+        # only where they were measured: TIS on (`rl.tis_cap`), weights loaded into a server
+        **({"train/tis_clip_frac": tr["tis_clip_frac"]} if "tis_clip_frac" in tr else {}),
+        **{f"engine/{k}": ro[k] for k in ("reload_max_logprob_err", "reload_mean_logprob_err") if k in ro},
     }

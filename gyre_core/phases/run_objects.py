@@ -13,6 +13,7 @@ there for the next; a fresh process (a resumed run, a retried task) loads them f
 from __future__ import annotations
 
 import random
+import threading
 from dataclasses import dataclass
 from typing import Any
 
@@ -20,6 +21,8 @@ import pyarrow as pa
 
 from ..config import GyreConfig
 from ..run import CONTROL_VERSION, RunDir, ckpt_tag
+
+_ENGINE_LOCK = threading.RLock()
 
 
 @dataclass(slots=True)
@@ -38,8 +41,9 @@ class PolicyBundle:
 
     @property
     def engine(self):
-        if self._engine is None:
-            self._engine = self.make_engine()
+        with _ENGINE_LOCK:                    # made once, whichever thread asks first
+            if self._engine is None:
+                self._engine = self.make_engine()
         return self._engine
 
     @property
@@ -67,13 +71,11 @@ class PolicyBundle:
 
 
 def vllm_engine(engine_cfg, model_dir: str, stops: list[int], seed: int, version: int):
-    """A vLLM server on `model_dir` (the cell's devices: CUDA_VISIBLE_DEVICES as inherited) and its engine."""
+    """A vLLM server on `model_dir` and the engine that owns it (`close()` stops the server)."""
     from ..engine.vllm import ServerSpec, VLLMEngine, VLLMServer
 
-    spec = ServerSpec(model_dir=model_dir, dtype=engine_cfg.dtype, seed=seed, max_model_len=engine_cfg.max_model_len,
-                      kv_cache_gib=engine_cfg.kv_cache_gib, gpu_memory_utilization=engine_cfg.gpu_memory_utilization,
-                      start_timeout_s=engine_cfg.start_timeout_s)
-    return VLLMEngine(VLLMServer(spec).start(), stops, version=version, seed=seed, concurrency=engine_cfg.concurrency)
+    server = VLLMServer(ServerSpec.from_config(engine_cfg, model_dir, seed)).start()
+    return VLLMEngine(server, stops, version=version, seed=seed, concurrency=engine_cfg.concurrency, owns_server=True)
 
 
 def policy_bundle(run: RunDir) -> PolicyBundle:
@@ -81,7 +83,9 @@ def policy_bundle(run: RunDir) -> PolicyBundle:
     from ..model import load_policy
 
     def make():
-        model, tok = load_policy(str(run.policy0), device=run.cfg.model.device)
+        # with vLLM decoding, this copy only checks reloads: on the CPU, leaving the GPU to vLLM and the trainer
+        device = "cpu" if run.cfg.engine.kind == "vllm" else run.cfg.model.device
+        model, tok = load_policy(str(run.policy0), device=device)
         return PolicyBundle.of(model, tok, run.cfg.run.seed, version=-1, engine_cfg=run.cfg.engine,
                                model_dir=str(run.policy0))
 
@@ -101,24 +105,32 @@ def engine_at(run: RunDir, version: int):
     return eng
 
 
-def check_reload(run: RunDir, bundle: PolicyBundle, uri: str, version: int) -> float:
-    """The engine's log-probs of a fixed probe against those of the published weights in the bundle's own
-    (float32) copy of the model: the max |Δ| goes to `reload_checks(run)[version]`, and above
-    `engine.reload_check_tol` the run stops (a reload that silently kept old weights, e.g. a tied head)."""
-    from ..engine.interface import model_logprobs, probe_ids
+def check_reload(run: RunDir, bundle: PolicyBundle, uri: str, version: int) -> dict:
+    """The engine's log-probs of a fixed probe against the trainer's for `version` (the trainer held in this
+    process when it holds that version, else the published weights in the bundle's float32 copy). The
+    result goes to `reload_checks(run)[version]`; a mean |Δ| above the tolerance (`engine.reload_check_tol`)
+    stops the run, and the engine is marked as holding no version, so a retried task reloads and checks
+    again (a reload that silently kept old weights, e.g. a tied head, never rolls out)."""
+    from ..engine.interface import check_served, probe_ids
     from ..engine.vllm import VLLMError
     from ..trainer.publish import load_weights
 
-    model = bundle.model     # vLLM decodes, so this copy only ever serves as the reference
-    model.load_state_dict(load_weights(uri), strict=False)
-    ids = probe_ids(len(bundle.tokenizer), seed=max(version, 0))
-    err = max(abs(a - b) for a, b in zip(model_logprobs(model, ids), bundle.engine.probe_logprobs(ids)))
-    tol = run.cfg.engine.reload_check_tol or (1e-3 if _serves_fp32(run.cfg.engine, model) else 0.5)
-    reload_checks(run)[version] = {"max_logprob_err": err, "tol": tol}
-    if err > tol:
+    held = run.peek_cached("trainer")
+    if held is not None and held[1] == version:
+        model = held[0].model                 # the trainer that published this version, as it holds it
+    else:                                     # the bundle's copy (vLLM decodes, so it only serves as a reference)
+        model = bundle.model
+        model.load_state_dict(load_weights(uri), strict=False)
+    engine = bundle.engine
+    tol = engine.server.spec.reload_tolerance(run.cfg.engine.reload_check_tol)
+    check = check_served(engine, model, probe_ids(len(bundle.tokenizer), seed=max(version, 0)), tol)
+    reload_checks(run)[version] = check
+    if not check["ok"]:
+        engine.version = -2
         raise VLLMError(f"after loading version {version} ({uri}) the engine's log-probs differ from the trainer's "
-                        f"by up to {err:.3g} > engine.reload_check_tol={tol:g}: the server is not serving these weights")
-    return err
+                        f"by {check['mean']:.3g} on average (max {check['max']:.3g}) > engine.reload_check_tol={tol:g}: "
+                        "the server is not serving these weights")
+    return check
 
 
 def reload_checks(run: RunDir) -> dict[int, dict]:
@@ -126,12 +138,13 @@ def reload_checks(run: RunDir) -> dict[int, dict]:
     return run.cached("reload_checks", dict)
 
 
-def _serves_fp32(engine_cfg, model) -> bool:
-    import torch
-
-    if engine_cfg.dtype == "auto":
-        return getattr(model.config, "dtype", None) in (torch.float32, "float32")
-    return engine_cfg.dtype == "float32"
+def drop_engine(run: RunDir) -> None:
+    """Stop the bundle's engine if it runs a server (before the elastic cells start theirs on the same
+    devices); the next use starts it again."""
+    bundle = run.peek_cached("policy")
+    if bundle is not None and bundle._engine is not None and hasattr(bundle._engine, "close"):
+        bundle._engine.close()
+        bundle._engine = None
 
 
 def env_factory(cfg: GyreConfig, rollout: bool = False):

@@ -8,7 +8,7 @@ import pytest
 
 from gyre_core.config import ConfigError, ElasticConfig, load_config
 from gyre_core.elastic.controller import Counters
-from gyre_core.elastic.agent import emulated_token
+from gyre_core.elastic.devices import emulated_token
 from gyre_core.elastic.messages import CallRequest, Gen, Release
 from gyre_core.elastic.runtime import Coordinator, run_elastic
 from gyre_core.elastic.work import TOKENS_PER_CALL
@@ -331,7 +331,8 @@ def test_an_agent_answers_each_message_with_its_record():
     from multiprocessing import Pipe
 
     from gyre_core.elastic import messages as m
-    from gyre_core.elastic.agent import Agent, EmulatedDevice
+    from gyre_core.elastic.agent import Agent
+    from gyre_core.elastic.devices import EmulatedDevice
 
     here, there = Pipe()
     agent = Agent(2, there, EmulatedDevice())

@@ -158,3 +158,22 @@ def test_the_entropy_bonus_adds_minus_coef_times_the_weighted_entropy_to_the_los
     # and the bonus changed the gradient (the check above is not satisfied by the plain PPO gradient)
     plain = trainers[0.0].gradients()
     assert any(not torch.allclose(plain[n], got[n], rtol=1e-3, atol=1e-6) for n in got)
+
+
+def test_gradient_checkpointing_gives_the_same_update_and_log_probs(model):
+    """`trainer.gradient_checkpointing`: activations are recomputed in the backward pass, and nothing else
+    changes — the same loss, gradient norm and weights after the step, and (dropout off) the same log-probs."""
+    seqs = _seqs(5, 250, seed=3)
+    plain = Trainer(copy.deepcopy(model), lr=1e-3, zero_stage=0, grad_clip=1.0)
+    ckpt = Trainer(copy.deepcopy(model), lr=1e-3, zero_stage=0, grad_clip=1.0, gradient_checkpointing=True)
+    assert ckpt.model.is_gradient_checkpointing and not plain.model.is_gradient_checkpointing
+    assert torch.allclose(ckpt.logprobs(seqs), plain.logprobs(seqs), atol=1e-7)
+    calls = {id(t): 0 for t in (plain, ckpt)}
+    for t in (plain, ckpt):   # recomputation enters the MLP again in the backward (a pre-hook: it stops early)
+        t.model.model.layers[0].mlp.register_forward_pre_hook(lambda *a, k=id(t): calls.__setitem__(k, calls[k] + 1))
+    out = [t.micro_step(seqs, 5.0, objective="ppo", last=True) for t in (plain, ckpt)]
+    assert calls[id(plain)] == 1 and calls[id(ckpt)] == 2
+    norms = [t.optimizer_step() for t in (plain, ckpt)]
+    assert out[0]["loss"] == pytest.approx(out[1]["loss"], rel=1e-6) and norms[0] == pytest.approx(norms[1], rel=1e-5)
+    for (n, p), q in zip(plain.model.named_parameters(), ckpt.model.parameters()):
+        assert torch.allclose(p, q, atol=1e-7), n

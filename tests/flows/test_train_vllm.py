@@ -36,10 +36,10 @@ def test_vllm_flow_rolls_out_trains_and_serves_every_version(vllm_run):
     run = RunDir.open(tmp / "runs" / "vllm-flow")
     checks = reload_checks(run)
     assert sorted(checks) == [0, 1, 2]                  # v0 before RL, v1 for step 1, v2 for the evaluation after
-    assert all(c["max_logprob_err"] < 1e-3 for c in checks.values())
+    assert all(c["ok"] and c["max"] < 1e-3 for c in checks.values())
     for step in (0, 1):
         ro = run.done(f"rollout_{step:04d}")
-        assert ro["executions"] == 32 and ro["reload_max_logprob_err"] == checks[step]["max_logprob_err"]
+        assert ro["executions"] == 32 and ro["reload_max_logprob_err"] == checks[step]["max"]
     first, last = load_weights(run.weights_uri(0)), load_weights(run.weights_uri(2))
     assert any(not torch.equal(first[k], last[k]) for k in last)
 
@@ -69,3 +69,24 @@ def test_mlflow_has_the_engine_and_tis_metrics(vllm_run):
         assert [m.step for m in history] == [0, 1], key
     mismatch = [m.value for m in client.get_metric_history(run_id, "train/logprob_mismatch")]
     assert all(0 <= v < 1e-3 for v in mismatch)          # float32 server and trainer: the same policy
+
+
+def test_gyre_evaluate_on_vllm_reproduces_the_runs_own_evaluation(vllm_run):
+    """`gyre evaluate RUN` with the run's config starts its own vLLM server and scores the final version as
+    the run's `eval_after` did, episode by episode (the same seeds, the same per-request sampling seeds)."""
+    from gyre_core.config import load_config
+    from gyre_core.phases.evaluate_checkpoint import evaluate_checkpoint
+
+    tmp, _ = vllm_run
+    run = RunDir.open(tmp / "runs" / "vllm-flow")
+    cfg = load_config("smoke", [f"{k}={v}" for k, v in (
+        ("run.out_root", f"{tmp}/runs"), ("lake.root", f"{tmp}/lake"), ("tracking.uri", f"sqlite:///{tmp}/mlflow.db"),
+        ("engine.kind", "vllm"), ("engine.dtype", "float32"), ("eval.episodes", 8), ("eval.greedy_episodes", 4))])
+    live_before = set(live_servers)
+    got = evaluate_checkpoint(cfg, str(run.path), "vllm-final")
+    want = run.done("eval_after")
+    assert got["policy_version"] == 2
+    for mode in ("sampled", "greedy"):
+        assert got[mode]["seeds"] == want[mode]["seeds"]
+        assert (got[mode]["successes"], got[mode]["partials"]) == (want[mode]["successes"], want[mode]["partials"])
+    assert set(live_servers) == live_before          # its own server was stopped
