@@ -166,7 +166,7 @@ def test_gradient_checkpointing_gives_the_same_update_and_log_probs(model):
     seqs = _seqs(5, 250, seed=3)
     plain = Trainer(copy.deepcopy(model), lr=1e-3, zero_stage=0, grad_clip=1.0)
     ckpt = Trainer(copy.deepcopy(model), lr=1e-3, zero_stage=0, grad_clip=1.0, gradient_checkpointing=True)
-    assert ckpt.model.is_gradient_checkpointing and not plain.model.is_gradient_checkpointing
+    assert ckpt.model.is_activation_checkpointing and not plain.model.is_activation_checkpointing
     assert torch.allclose(ckpt.logprobs(seqs), plain.logprobs(seqs), atol=1e-7)
     calls = {id(t): 0 for t in (plain, ckpt)}
     for t in (plain, ckpt):   # recomputation enters the MLP again in the backward (a pre-hook: it stops early)
