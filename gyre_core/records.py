@@ -12,7 +12,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-SCHEMA_VERSION = 3      # 2: calls gained tool_call_ids and payload_uri; 3: progress (older lakes still read)
+SCHEMA_VERSION = 4      # 2: calls gained tool_call_ids and payload_uri; 3: progress; 4: tool_parse, tool_spans
+#                         (older lakes still read)
 
 # Roles of a model-call context, highest training priority first (the processor may reorder).
 ROLES = ("main", "main-summary", "sub-agent", "sub-agent-summary")
@@ -45,6 +46,8 @@ class CallRecord:
     t_end: float = 0.0
     tool_call_ids: list[str] = field(default_factory=list)   # tool invocations this completion made
     progress: float | None = None  # the env's progress() when the call was made (None: the env has no such hook)
+    tool_parse: str = ""          # tool-call parse of the completion: "" (env has no tools), none, ok, malformed
+    tool_spans: list[list[int]] = field(default_factory=list)  # [first, end) completion token index per tool call
 
     def delta(self) -> list[int]:
         """Prompt tokens not supplied by the parent (what the lake stores)."""

@@ -6,6 +6,8 @@ again, up to `attempts` answers, so an episode can have several turns. Success: 
 credit: how close the last answer came.
 
     gyre train --preset real-smoke          # SmolLM2-135M-Instruct on vLLM answers these
+
+`ArithmeticToolEnv` is the same with a `calculate` tool the agent may call before answering.
 """
 from __future__ import annotations
 
@@ -83,3 +85,52 @@ class ArithmeticEnv:
             return f"{last} is correct."
         left = self.attempts - len(self.answers)
         return f"{last} is wrong." + (f" Try again ({left} left): what is {self.question}?" if left else "")
+
+
+class ArithmeticToolEnv(ArithmeticEnv):
+    """`ArithmeticEnv` with a `calculate` tool (the same questions; answers go to `step` as before)."""
+
+    def __init__(self, max_operand: int = 50, ops: str = "+-", attempts: int = 2) -> None:
+        super().__init__(max_operand, ops, attempts)
+        self.name += "-tools"
+        self.tool_calls = 0
+
+    def instructions(self) -> str:
+        return ("You are a careful calculator. You may call the calculate tool; then answer each question with "
+                "the number only.")
+
+    def tools(self) -> list[dict]:
+        return [{"type": "function", "function": {
+            "name": "calculate", "description": "Evaluate an expression of integers with + - * and parentheses.",
+            "parameters": {"type": "object", "properties": {"expression": {"type": "string"}},
+                           "required": ["expression"]}}}]
+
+    def call_tool(self, name: str, arguments: dict) -> str:
+        if name != "calculate":
+            raise ValueError(f"no tool {name!r}")
+        self.tool_calls += 1
+        return str(evaluate_expression(str(arguments.get("expression", ""))))
+
+
+def evaluate_expression(expr: str) -> int:
+    """An integer expression with + - * and parentheses, evaluated without `eval`."""
+    import ast
+
+    def ev(node) -> int:
+        if isinstance(node, ast.Expression):
+            return ev(node.body)
+        if isinstance(node, ast.Constant) and isinstance(node.value, int) and not isinstance(node.value, bool):
+            return node.value
+        if isinstance(node, ast.UnaryOp) and isinstance(node.op, (ast.USub, ast.UAdd)):
+            return -ev(node.operand) if isinstance(node.op, ast.USub) else ev(node.operand)
+        if isinstance(node, ast.BinOp) and type(node.op) in (ast.Add, ast.Sub, ast.Mult):
+            a, b = ev(node.left), ev(node.right)
+            return a + b if isinstance(node.op, ast.Add) else a - b if isinstance(node.op, ast.Sub) else a * b
+        raise ValueError(f"not an integer expression of + - * and parentheses: {expr!r}")
+
+    if len(expr) > 200:
+        raise ValueError("expression longer than 200 characters")
+    try:
+        return ev(ast.parse(expr.strip(), mode="eval"))
+    except SyntaxError:
+        raise ValueError(f"not an expression: {expr!r}") from None

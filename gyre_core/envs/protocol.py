@@ -23,6 +23,12 @@ Optional hooks (use `supports(env, hook)` to ask whether an env has one):
   score the state would get now; 1.0 once solved). Cheap, and it must not disturb the episode: the
   harness asks before every action and records it on the call (`CallRecord.progress`), which
   `rl.progress_credit` turns into per-turn credit.
+- `tools(self) -> list[dict]` / `call_tool(self, name: str, arguments: dict) -> str` — tools the agent may
+  call (OpenAI function schemas, `{"type": "function", "function": {"name", "description", "parameters"}}`)
+  and their implementation, which returns the result text (an exception is shown to the agent as an
+  error result). The harness renders the tools with the model's chat template, parses tool calls from
+  each completion (`harness/tools.py`) and answers them with `tool` messages; a completion without a
+  tool call goes to `step()` as before (a final answer, or a text action). Both or neither.
 """
 from __future__ import annotations
 
@@ -31,7 +37,7 @@ from typing import Protocol, runtime_checkable
 
 REQUIRED_ATTRIBUTES = ("name", "actions")
 REQUIRED_METHODS = ("instructions", "reset", "mission", "step", "score", "summary")
-HOOKS = ("expert_action", "corpus", "save_state", "restore_state", "progress")
+HOOKS = ("expert_action", "corpus", "save_state", "restore_state", "progress", "tools", "call_tool")
 
 
 @dataclass(slots=True)
@@ -76,4 +82,6 @@ def supports(env: object, hook: str) -> bool:
         raise ValueError(f"unknown hook {hook!r}; known hooks: {', '.join(HOOKS)}")
     if hook in ("save_state", "restore_state"):
         return callable(getattr(env, "save_state", None)) and callable(getattr(env, "restore_state", None))
+    if hook in ("tools", "call_tool"):
+        return callable(getattr(env, "tools", None)) and callable(getattr(env, "call_tool", None))
     return callable(getattr(env, hook, None))

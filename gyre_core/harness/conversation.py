@@ -19,6 +19,7 @@ from __future__ import annotations
 
 _U = "\x00USER\x00"
 _A = "\x00ASSISTANT\x00"
+_T1, _T2 = "\x00TOOL1\x00", "\x00TOOL2\x00"
 
 
 class TemplateError(ValueError):
@@ -54,13 +55,25 @@ class ChatFormat:
             raise TemplateError("the chat template marks no boundary between an assistant message and the next "
                                 "user message")
 
+        self._tool_pieces: tuple[str, str, str] | None = None
+
     def encode(self, text: str) -> list[int]:
         return list(self.tokenizer.encode(text, add_special_tokens=False))
 
-    def start(self, system: str, user: str) -> list[int]:
-        """Token ids of a fresh context: system + first user message + generation prompt."""
+    def start(self, system: str, user: str, tools: list[dict] | None = None) -> list[int]:
+        """Token ids of a fresh context: system + first user message + generation prompt. `tools` (OpenAI
+        function schemas) are rendered by the template; a template that renders none gets them written
+        into the system message (`tools.system_with_tools`)."""
         msgs = [{"role": "system", "content": system}, {"role": "user", "content": user}]
         text = self.tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+        if tools:
+            with_tools = self.tokenizer.apply_chat_template(msgs, tools=tools, tokenize=False, add_generation_prompt=True)
+            if with_tools == text:
+                from .tools import system_with_tools
+
+                msgs[0]["content"] = system_with_tools(system, tools)
+                with_tools = self.tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+            text = with_tools
         return self.encode(text)
 
     def continuation(self, user: str, stopped_on: str | None) -> list[int]:
@@ -69,7 +82,34 @@ class ChatFormat:
         `stopped_on` is the decoded text of the stop token the completion ended with (None if it was cut
         by the length limit); that text is not emitted twice.
         """
+        return self.encode(self._close(stopped_on) + self.user_before + user + self.user_after)
+
+    def tool_continuation(self, results: list[str], stopped_on: str | None) -> list[int]:
+        """Ids appended after a completion that called tools: close the assistant turn, one `tool` message
+        per result as the template renders consecutive tool messages, prompt again."""
+        if not results:
+            raise ValueError("tool_continuation: no results")
+        before, between, after = self.tool_pieces()
+        return self.encode(self._close(stopped_on) + before + between.join(results) + after)
+
+    def tool_pieces(self) -> tuple[str, str, str]:
+        """(before the first result, between two results, after the last + generation prompt), probed once."""
+        if self._tool_pieces is None:
+            msgs = [{"role": "system", "content": "S"}, {"role": "user", "content": "U0"},
+                    {"role": "assistant", "content": _A}, {"role": "tool", "content": _T1},
+                    {"role": "tool", "content": _T2}]
+            text = self.tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+            rest = text[text.index(_A) + len(_A):] if _A in text else ""
+            if not (rest.startswith(self.close_assistant) and _T1 in rest and _T2 in rest):
+                raise TemplateError("the chat template does not render tool messages after an assistant turn")
+            rest = rest[len(self.close_assistant):]
+            before, rest = rest.split(_T1)
+            between, after = rest.split(_T2)
+            self._tool_pieces = (before, between, after)
+        return self._tool_pieces
+
+    def _close(self, stopped_on: str | None) -> str:
         close = self.close_assistant
         if stopped_on and close.startswith(stopped_on):
             close = close[len(stopped_on):]
-        return self.encode(close + self.user_before + user + self.user_after)
+        return close

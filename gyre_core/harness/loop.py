@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Protocol
 
 from ..config import HarnessConfig
-from ..envs.protocol import supports
+from ..envs.protocol import StepResult, supports
 from ..records import (CallRecord, ExecutionRecord, STATUS_DONE, STATUS_FAILED, STATUS_TIMEOUT,
                        STATUS_TOKEN_LIMIT, STATUS_TURN_LIMIT)
 from .conversation import ChatFormat
@@ -111,6 +111,7 @@ class Execution:
     def __init__(self, spec: ExecutionSpec, env, fmt: ChatFormat, cfg: HarnessConfig, stop_texts: dict[int, str]):
         self.env, self.fmt, self.cfg, self.stop_texts = env, fmt, cfg, stop_texts
         self._has_progress = supports(env, "progress")
+        self.tools = env.tools() if supports(env, "tools") else None   # OpenAI function schemas, or None
         self.record = ExecutionRecord(
             run_id=spec.run_id, step=spec.step, execution_id=spec.execution_id, task_id=spec.task_id,
             seed=spec.seed, split=spec.split, env=getattr(env, "name", type(env).__name__),
@@ -150,15 +151,17 @@ class Execution:
     def _open_context(self, user_text: str, role: str) -> None:
         self._context_index = getattr(self, "_context_index", -1) + 1
         self._role = role
-        self._prompt = self.fmt.start(self.system, user_text)
+        self._prompt = self.fmt.start(self.system, user_text, tools=self.tools)
         self._parent_call, self._prefix_len = -1, 0
         self._context_key = f"{self.record.execution_id}/c{self._context_index}"
         self._new_tokens = len(self._prompt)
 
-    def _extend_context(self, user_text: str, last: CallRecord) -> None:
+    def _extend_context(self, user_text: str, last: CallRecord, tool_results: list[str] | None = None) -> None:
+        """Append the next turn after `last`: a user message, or (`tool_results`) one tool message per result."""
         stopped = self.stop_texts.get(last.completion_ids[-1]) if last.finish_reason == "stop" and last.completion_ids else None
         base = last.prompt_ids + last.completion_ids
-        extra = self.fmt.continuation(user_text, stopped)
+        extra = (self.fmt.continuation(user_text, stopped) if tool_results is None
+                 else self.fmt.tool_continuation(tool_results, stopped))
         if len(base) + len(extra) + self.cfg.max_new_tokens > self.cfg.context_tokens:
             self.record.compactions += 1
             self._open_context(f"Mission: {self.env.mission()}\n{self.env.summary()}\n{user_text}",
@@ -186,17 +189,25 @@ class Execution:
         rec.calls.append(call)
         rec.turns += 1
         self.tokens_used += self._new_tokens + len(call.completion_ids)
-        text = self.fmt.tokenizer.decode(_strip_stop(call.completion_ids, self.stop_texts), skip_special_tokens=True)
         try:
             if self._has_progress:    # where the episode stood when the policy chose this action
                 call.progress = float(self.env.progress())
-            result = self.env.step(text)
+            if self.tools is not None:
+                tool_results, observation = self._tool_turn(call)
+            else:
+                tool_results, observation = None, None
+            if tool_results is None and observation is None:     # a text action (or a final answer)
+                text = self.fmt.tokenizer.decode(_strip_stop(call.completion_ids, self.stop_texts),
+                                                 skip_special_tokens=True)
+                result = self.env.step(text)
         except Exception as exc:
             self._fail(exc)
             return
-        if result.valid:    # the environment ran the action: one tool invocation, named after the call
+        if tool_results is not None or observation is not None:   # tools were called (or tried): next turn
+            result = StepResult(observation or "", done=False, valid=observation is None)
+        elif result.valid:  # the environment ran the action: one tool invocation, named after the call
             call.tool_call_ids = [f"{rec.execution_id}/{call.call_index}"]
-        else:
+        if not result.valid:
             rec.invalid_actions += 1
         if result.done:
             return self._finish(STATUS_DONE)
@@ -207,13 +218,38 @@ class Execution:
         if self.cfg.wall_clock_s is not None and time.time() - rec.t_start > self.cfg.wall_clock_s:
             return self._finish(STATUS_TIMEOUT)
         try:
-            self._extend_context(result.observation, call)
+            self._extend_context(result.observation, call, tool_results)
         except Exception as exc:   # e.g. the environment's summary() during compaction
             self._fail(exc)
             return
         if len(self._prompt) + self.cfg.max_new_tokens > self.cfg.context_tokens:
             # even a fresh context from the summary does not fit: stop here, scored on what it left
             self._finish(STATUS_TOKEN_LIMIT)
+
+    def _tool_turn(self, call: CallRecord) -> tuple[list[str] | None, str | None]:
+        """Parse the completion's tool calls (recording the parse and each call's token span) and run them:
+        (results, None) when it called tools; (None, error text) when a call was malformed; (None, None)
+        when it called none (the text then goes to `step`)."""
+        from .tools import PARSE_MALFORMED, PARSE_NONE, parse_tool_calls, token_spans
+
+        ids = _strip_stop(call.completion_ids, self.stop_texts)
+        text = self.fmt.tokenizer.decode(ids, skip_special_tokens=False)
+        parsed = parse_tool_calls(text, {t["function"]["name"] for t in self.tools})
+        call.tool_parse = parsed.status
+        if parsed.status == PARSE_NONE:
+            return None, None
+        if parsed.status == PARSE_MALFORMED:
+            return None, (f"Your tool call could not be run: {parsed.error}. Call a tool as "
+                          '{"name": ..., "arguments": {...}} inside <tool_call></tool_call>.')
+        call.tool_spans = token_spans(self.fmt.tokenizer, ids, [c.span for c in parsed.calls])
+        call.tool_call_ids = [f"{self.record.execution_id}/{call.call_index}/{k}" for k in range(len(parsed.calls))]
+        results = []
+        for c in parsed.calls:
+            try:
+                results.append(str(self.env.call_tool(c.name, c.arguments)))
+            except Exception as exc:  # noqa: BLE001 - a tool's failure is the agent's observation
+                results.append(f"error: {type(exc).__name__}: {exc}")
+        return results, None
 
     def _finish(self, status: str) -> None:
         self.record.status = status

@@ -58,6 +58,10 @@ def rollout(run_dir: str, step: int) -> str:
         "invalid_actions": sum(r.invalid_actions for r in records),
         "tokens_generated": sum(r.tokens_generated for r in records), "rollout_s": time.time() - t0,
     }
+    parsed = [c for r in records for c in r.calls if c.tool_parse]     # calls of an environment with tools
+    if parsed:
+        stats["tool_calls"] = sum(len(c.tool_spans) for c in parsed)
+        stats["tool_parse_failure_rate"] = sum(c.tool_parse == "malformed" for c in parsed) / len(parsed)
     if (check := reload_checks(run).get(step)) is not None:    # this version's weights went to a server
         stats["reload_max_logprob_err"], stats["reload_mean_logprob_err"] = check["max"], check["mean"]
     return run.mark(step_marker("rollout", step), stats)["part"]
@@ -338,7 +342,8 @@ def step_metrics(run: RunDir, step: int) -> dict[str, float]:
         "tokens/packed_computed": tr.get("packing_tokens_computed", 0), "tokens/flat": tr.get("packing_tokens_flat", 0),
         "time/rollout_s": ro.get("rollout_s", 0.0), "time/score_s": sc.get("score_s", 0.0),
         "time/process_s": pr.get("process_s", 0.0), "time/train_s": tr.get("train_s", 0.0),
-        # only where they were measured: TIS on (`rl.tis_cap`), weights loaded into a server
+        # only where they were measured: TIS on (`rl.tis_cap`), weights loaded into a server, tools
         **({"train/tis_clip_frac": tr["tis_clip_frac"]} if "tis_clip_frac" in tr else {}),
         **{f"engine/{k}": ro[k] for k in ("reload_max_logprob_err", "reload_mean_logprob_err") if k in ro},
+        **{f"rollout/{k}": ro[k] for k in ("tool_calls", "tool_parse_failure_rate") if k in ro},
     }
