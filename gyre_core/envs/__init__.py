@@ -96,7 +96,8 @@ def check_environment(env: object, seeds: tuple[int, ...] = (0, 1), steps: int =
     observation, same observations for the same actions), that `step` returns a StepResult, that an
     unparseable action gives valid=False and leaves the state unchanged, that scores are in [0, 1], and
     the optional hooks (expert_action answers one of `actions` or None; save/restore reproduces the
-    following observations; corpus yields strings deterministically without disturbing the episode).
+    following observations; corpus yields strings deterministically without disturbing the episode;
+    tools are well-formed function schemas with distinct names, and calling an unknown tool raises).
     Probes play `steps` actions per seed (random words, half replaced by the expert's when there is
     one), several times each, so keep `steps` small for slow envs.
     """
@@ -113,6 +114,8 @@ def check_environment(env: object, seeds: tuple[int, ...] = (0, 1), steps: int =
         checks.append(_check_corpus)
     if supports(env, "progress"):
         checks.append(_check_progress)
+    if supports(env, "tools"):
+        checks.append(_check_tools)
     for check in checks:
         try:
             problems += check(env, seeds, steps)
@@ -264,6 +267,31 @@ def _check_corpus(env: Any, seeds: tuple[int, ...], steps: int) -> list[str]:
     if env.step(probe[1]).observation != ref[1].observation:
         return ["corpus() disturbed the current episode"]
     return []
+
+
+def _check_tools(env: Any, seeds: tuple[int, ...], steps: int) -> list[str]:
+    """`tools()`: a non-empty list of {"type": "function", "function": {"name": str, "parameters": dict}}
+    with distinct names; `call_tool` with a name not declared raises (the agent then sees an error)."""
+    tools = env.tools()
+    if not isinstance(tools, list) or not tools:
+        return ["tools: tools() must return a non-empty list of function schemas"]
+    problems, names = [], []
+    for t in tools:
+        fn = t.get("function") if isinstance(t, dict) else None
+        if not (isinstance(t, dict) and t.get("type") == "function" and isinstance(fn, dict)
+                and isinstance(fn.get("name"), str) and isinstance(fn.get("parameters", {}), dict)):
+            problems.append(f"tools: {t!r:.120} is not {{'type': 'function', 'function': {{'name': ..., 'parameters': {{...}}}}}}")
+            continue
+        names.append(fn["name"])
+    if len(set(names)) != len(names):
+        problems.append(f"tools: tool names repeat: {names}")
+    env.reset(seeds[0])
+    try:
+        env.call_tool("\x00no such tool", {})
+        problems.append("tools: call_tool with an undeclared name returned instead of raising")
+    except Exception:  # noqa: BLE001 - raising is what is asked
+        pass
+    return problems
 
 
 def _check_progress(env: Any, seeds: tuple[int, ...], steps: int) -> list[str]:

@@ -174,3 +174,21 @@ def test_tool_parse_and_spans_round_trip_through_the_lake(tok):
     [back] = read_executions(executions_table([rec]), calls_table([rec]))
     assert [c.tool_parse for c in back.calls] == [PARSE_MALFORMED, PARSE_OK, PARSE_NONE]
     assert [c.tool_spans for c in back.calls] == [c.tool_spans for c in rec.calls] and back.calls[1].tool_spans
+
+
+def test_the_contract_check_checks_tools():
+    from gyre_core.envs import check_environment
+
+    assert check_environment(ArithmeticToolEnv()) == []
+
+    class Broken(ArithmeticToolEnv):
+        def tools(self):
+            return [{"type": "function", "function": {"name": "x"}}, {"type": "function", "function": {"name": "x"}},
+                    "junk"]
+
+        def call_tool(self, name, arguments):
+            return "ok"
+
+    problems = check_environment(Broken())
+    assert len(problems) == 3 and all(p.startswith("tools: ") for p in problems)
+    assert any("repeat" in p for p in problems) and any("instead of raising" in p for p in problems)
