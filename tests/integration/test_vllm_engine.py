@@ -192,3 +192,58 @@ def test_a_server_that_cannot_start_says_why(tmp_path):
     (tmp_path / "config.json").write_text("{}")
     with pytest.raises(VLLMError, match="exited while starting"):
         VLLMServer(ServerSpec(model_dir=str(tmp_path), start_timeout_s=120)).start()
+
+
+def test_vllm_cell_aborts_continues_and_reloads_mid_call(policy, tmp_path):
+    """A vLLM cell device driven as the agent drives it. A call taken away mid-stream (`release`) is aborted
+    with the tokens it had, and continues on a second cell from prompt + those tokens (as the router sends
+    it); while a call streams, version 1 is published: the cell stops its streams, reloads, and continues,
+    and every token's log-prob is that of the version recorded for it."""
+    from gyre_core.elastic.devices import LiveCall
+    from gyre_core.elastic.messages import CallRequest
+    from gyre_core.elastic.vllm_cell import VLLMCellDevice
+    from gyre_core.trainer.publish import version_uri
+
+    path, model0, tok = policy
+    root = str(tmp_path / "weights")
+    publish_weights({k: t.clone() for k, t in model0.state_dict().items()}, version_uri(root, 0))   # as a trainer does
+    train = {"lr": 1e-3, "zero_stage": 0, "grad_clip": 1.0, "device": "cpu"}
+    engine = {"dtype": "float32", "max_model_len": MAX_LEN, "kv_cache_gib": 1, "gpu_memory_utilization": 0.85,
+              "start_timeout_s": 300, "reload_check_tol": None, "concurrency": 8}
+    a = VLLMCellDevice(0, str(path), root, train, seed=0, engine=engine)
+    b = VLLMCellDevice(1, str(path), root, train, seed=0, engine=engine)
+    for cell in (a, b):                 # calls that run long: no stop token ends them early
+        cell.stops, cell.vllm.stop_ids, cell.vllm.ignore_eos = set(), [], True
+    try:
+        [p] = rand_prompts(1, 10, len(tok), seed=6)
+        g = LiveCall(1, CallRequest("k", p, 400, 1.0))
+        a.start(g, time.monotonic())
+        while len(g.ids) < 5:
+            assert a.advance([g], time.monotonic()) == []
+        a.release("k")                                   # the coordinator took the call away
+        assert not a.streams and 5 <= len(g.ids) < 400
+        moved = LiveCall(2, CallRequest("k", p + g.ids, 400 - len(g.ids), 1.0))     # as the router re-sends it
+        b.start(moved, time.monotonic())
+        while len(moved.ids) < 5:
+            assert b.advance([moved], time.monotonic()) == []
+        # a new version while `moved` streams on b: b lets go, reloads, checks, continues
+        v1 = {k: t.clone() for k, t in tiny(tok, 7).state_dict().items()}
+        publish_weights(v1, version_uri(root, 1))
+        b.set_version(1)
+        before = len(moved.ids)
+        deadline = time.time() + 120
+        while not b.advance([moved], time.monotonic()) and time.time() < deadline:
+            pass
+        assert b.served == 1 and set(moved.versions[:before]) == {0} and moved.versions[-1] == 1
+        ids = p + g.ids + moved.ids
+        lps = g.logprobs + moved.logprobs
+        vers = [0] * len(g.ids) + moved.versions
+        model1, _ = load_policy(path)
+        model1.load_state_dict(v1, strict=False)
+        for v, m in ((0, model0), (1, model1)):
+            ref = model_logprobs(m, ids)[len(p) - 1:]
+            got = [(r, lp) for r, lp, tv in zip(ref, lps, vers) if tv == v]
+            assert got and max(abs(r - lp) for r, lp in got) < 1e-4, v
+    finally:
+        a.close()
+        b.close()
