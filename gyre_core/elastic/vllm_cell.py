@@ -75,7 +75,7 @@ class VLLMCellDevice(RealDevice):
 
         kw = dict(engine or {})
         spec = ServerSpec.from_config(kw, policy_dir, cell_stream(seed, cell))
-        self.reload_tol = spec.reload_tolerance(kw.get("reload_check_tol"))
+        self.reload_tol = kw.get("reload_check_tol")      # None: the served dtype's default
         self.vllm = VLLMEngine(VLLMServer(spec).start(), self.engine.stop_ids, seed=cell_stream(seed, cell),
                                concurrency=kw.get("concurrency", 64), owns_server=True)
         self.label = f"vllm/{self.label.split('/', 1)[1]}"
@@ -88,7 +88,6 @@ class VLLMCellDevice(RealDevice):
     def _serve_newest(self) -> None:
         """Load the newest published version into the server (no stream may be open), checked against
         this cell's own copy of it."""
-        from ..engine.interface import check_served, probe_ids
         from ..engine.vllm import VLLMError
         from ..trainer.publish import version_uri
 
@@ -97,12 +96,11 @@ class VLLMCellDevice(RealDevice):
         if self.served == self.version:
             return
         self.served = -1
-        self.vllm.load_published(version_uri(self.weights_root, self.version), self.version)
-        check = check_served(self.vllm, self.engine.model, probe_ids(self.vocab_size, seed=self.version),
-                             self.reload_tol)
-        if not check["ok"]:
-            raise VLLMError(f"cell {self.cell}: after loading version {self.version} the server's log-probs differ "
-                            f"from the cell's by {check['mean']:.3g} on average > {self.reload_tol:g}")
+        try:
+            self.vllm.load_checked(version_uri(self.weights_root, self.version), self.version, self.engine.model,
+                                   self.vocab_size, self.reload_tol)
+        except VLLMError as e:
+            raise VLLMError(f"cell {self.cell}: {e}") from None
         self.served = self.version
 
     # -- rollout ---------------------------------------------------------------------------------

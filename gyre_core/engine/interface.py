@@ -4,7 +4,6 @@
     engine.release(key)                       # a context is finished (cache hint; may do nothing)
     engine.reseed(seed)                       # restart the sampling stream
     engine.load_published(uri, version)       # policy `version` from its published safetensors file
-    engine.probe_logprobs(ids)                # log π(ids[i] | ids[:i]) for i ≥ 1: checks a reload
     engine.version, engine.stop_ids, engine.stats
 
 Token ids in, token ids and per-token behaviour log-probs out: an engine never re-tokenises text.
@@ -40,7 +39,6 @@ class Engine(Protocol):
     def release(self, key: str) -> None: ...
     def reseed(self, seed: int) -> None: ...
     def load_published(self, uri: str, version: int) -> None: ...
-    def probe_logprobs(self, ids: list[int]) -> list[float]: ...
 
 
 def validate_requests(requests: list[GenRequest]) -> None:
@@ -72,7 +70,7 @@ def probe_ids(vocab_size: int, n: int = 48, seed: int = 0) -> list[int]:
 
 
 def check_served(engine, reference, ids: list[int], tol: float) -> dict:
-    """An engine's log-probs of `ids` against a reference model's (`model_logprobs`): {"max": max |Δ|,
+    """An engine's log-probs of `ids` (its `probe_logprobs`, which an engine serving elsewhere offers) against a reference model's (`model_logprobs`): {"max": max |Δ|,
     "mean": mean |Δ|, "ok": mean ≤ tol}. The mean is what is judged: in half precision the max over a
     random probe is dominated by one unlikely token."""
     got, want = engine.probe_logprobs(ids), model_logprobs(reference, ids)

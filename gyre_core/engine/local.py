@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 from transformers.cache_utils import Cache, DynamicLayer
 
-from .interface import GenRequest, GenResult, mix_seed, model_logprobs, validate_requests
+from .interface import GenRequest, GenResult, mix_seed, validate_requests
 
 
 @dataclass(slots=True)
@@ -135,10 +135,6 @@ class LocalEngine:
         from ..trainer.publish import load_weights
 
         self.set_weights(load_weights(uri), version)
-
-    def probe_logprobs(self, ids: list[int]) -> list[float]:
-        """log π(ids[i] | ids[:i]) for i ≥ 1 under the weights this engine decodes with."""
-        return model_logprobs(self.model, ids)
 
     @property
     def cached_tokens(self) -> int:

@@ -6,8 +6,7 @@ Gyre's), so Gyre starts it as a server on 127.0.0.1 and talks HTTP:
     server = VLLMServer(ServerSpec(model_dir="runs/x/policy/v0", dtype="float32")).start()
     engine = VLLMEngine(server, stop_ids=[2], seed=0)
     [res] = engine.generate([GenRequest("exec-1/ctx-0", prompt_ids, max_new_tokens=64)])
-    engine.load_published("runs/x/weights/v3.safetensors", 3)     # in place, no restart
-    engine.probe_logprobs(ids)                                    # check the reload against the trainer
+    engine.load_checked("runs/x/weights/v3.safetensors", 3, trainer_model, vocab_size)   # in place, checked
     server.stop()
 
 - Prompts go as id lists to `/v1/completions`; completions come back as ids (`return_token_ids`) with
@@ -362,13 +361,22 @@ class VLLMEngine:
             self.stats["reloads"] += 1
             self.stats["reload_s"] += time.perf_counter() - t0
 
-    def set_weights(self, state_dict, version: int) -> None:
-        """A state dict (HF names) as policy `version`, through a temporary safetensors file."""
-        from ..trainer.publish import publish_weights
+    def load_checked(self, uri: str, version: int, reference, vocab_size: int,
+                     configured_tol: float | None = None) -> dict:
+        """`load_published`, then the server's log-probs of a fixed probe against `reference` (a model holding
+        the same weights, as the trainer does): `check_served`'s result with its tolerance (`configured_tol`,
+        else the served dtype's). Above it the engine holds no version and this raises."""
+        from .interface import check_served, probe_ids
 
-        with tempfile.TemporaryDirectory() as tmp:
-            uri = publish_weights(state_dict, str(Path(tmp) / "weights.safetensors"))
-            self.load_published(uri, version)
+        self.load_published(uri, version)
+        tol = self.server.spec.reload_tolerance(configured_tol)
+        check = {**check_served(self, reference, probe_ids(vocab_size, seed=max(version, 0)), tol), "tol": tol}
+        if not check["ok"]:
+            self.version = -2            # a retry must reload, not trust these weights
+            raise VLLMError(f"after loading version {version} ({uri}) the server's log-probs differ from the "
+                            f"trainer's by {check['mean']:.3g} on average (max {check['max']:.3g}) > {tol:g}: "
+                            "the server is not serving these weights")
+        return check
 
     def probe_logprobs(self, ids: list[int]) -> list[float]:
         """log π(ids[i] | ids[:i]) for i ≥ 1 from the server (prompt log-probs at temperature 1)."""

@@ -190,19 +190,6 @@ def _mismatch(cfg: GyreConfig, ck: Checkpoint) -> list[str]:
             f"{setting(cfg, name)}" for name in ("env", "harness") if setting(trained, name) != setting(cfg, name)]
 
 
-def _serve_checked(cfg: GyreConfig, engine, model, tok, weights, uri: str, ck: Checkpoint) -> None:
-    """Load a run's published version into the vLLM server and check it as a run checks every reload."""
-    from ..engine.interface import check_served, probe_ids
-
-    model.load_state_dict(weights, strict=False)
-    engine.load_published(uri, ck.version)
-    tol = engine.server.spec.reload_tolerance(cfg.engine.reload_check_tol)
-    check = check_served(engine, model, probe_ids(len(tok), seed=max(ck.version, 0)), tol)
-    if not check["ok"]:
-        raise CheckpointError(f"checkpoint {ck.source!r}: the vLLM server's log-probs differ from the published "
-                              f"weights' by {check['mean']:.3g} on average > {tol:g}")
-
-
 def _evaluate(cfg: GyreConfig, ck: Checkpoint, model, tok, weights, label: str) -> dict:
     from ..evaluation import success_interval
     from ..lake import Lake, calls_table, executions_table
@@ -215,8 +202,15 @@ def _evaluate(cfg: GyreConfig, ck: Checkpoint, model, tok, weights, label: str) 
     engine = bundle.engine
     try:
         if weights is not None:      # a run: its initial model with the version's weights, as engine_at does
-            if cfg.engine.kind == "vllm":
-                _serve_checked(cfg, engine, model, tok, weights, RunDir.open(ck.path).weights_uri(ck.version), ck)
+            if cfg.engine.kind == "vllm":    # loaded from the published file, checked as a run checks reloads
+                from ..engine.vllm import VLLMError
+
+                model.load_state_dict(weights, strict=False)
+                try:
+                    engine.load_checked(RunDir.open(ck.path).weights_uri(ck.version), ck.version, model, len(tok),
+                                        cfg.engine.reload_check_tol)
+                except VLLMError as exc:
+                    raise CheckpointError(f"checkpoint {ck.source!r}: {exc}") from None
             else:
                 engine.set_weights(weights, ck.version)
         run_id, part = checkpoint_eval_names(label)

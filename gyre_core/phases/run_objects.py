@@ -99,20 +99,19 @@ def engine_at(run: RunDir, version: int):
     eng = bundle.engine
     if eng.version != version:
         uri = run.weights_uri("control" if version == CONTROL_VERSION else version)
-        eng.load_published(uri, version)
-        if run.cfg.engine.kind != "local":
+        if run.cfg.engine.kind == "local":
+            eng.load_published(uri, version)
+        else:
             check_reload(run, bundle, uri, version)
     return eng
 
 
 def check_reload(run: RunDir, bundle: PolicyBundle, uri: str, version: int) -> dict:
-    """The engine's log-probs of a fixed probe against the trainer's for `version` (the trainer held in this
-    process when it holds that version, else the published weights in the bundle's float32 copy). The
-    result goes to `reload_checks(run)[version]`; a mean |Δ| above the tolerance (`engine.reload_check_tol`)
-    stops the run, and the engine is marked as holding no version, so a retried task reloads and checks
-    again (a reload that silently kept old weights, e.g. a tied head, never rolls out)."""
-    from ..engine.interface import check_served, probe_ids
-    from ..engine.vllm import VLLMError
+    """Load `version` into the bundle's vLLM engine, checked against the trainer's log-probs for it (the
+    trainer held in this process when it holds that version, else the published weights in the bundle's
+    float32 copy); the check goes to `reload_checks(run)[version]`. A failed check stops the run, and a
+    retried task reloads and checks again (a reload that silently kept old weights, e.g. a tied head,
+    never rolls out)."""
     from ..trainer.publish import load_weights
 
     held = run.peek_cached("trainer")
@@ -121,15 +120,8 @@ def check_reload(run: RunDir, bundle: PolicyBundle, uri: str, version: int) -> d
     else:                                     # the bundle's copy (vLLM decodes, so it only serves as a reference)
         model = bundle.model
         model.load_state_dict(load_weights(uri), strict=False)
-    engine = bundle.engine
-    tol = engine.server.spec.reload_tolerance(run.cfg.engine.reload_check_tol)
-    check = check_served(engine, model, probe_ids(len(bundle.tokenizer), seed=max(version, 0)), tol)
+    check = bundle.engine.load_checked(uri, version, model, len(bundle.tokenizer), run.cfg.engine.reload_check_tol)
     reload_checks(run)[version] = check
-    if not check["ok"]:
-        engine.version = -2
-        raise VLLMError(f"after loading version {version} ({uri}) the engine's log-probs differ from the trainer's "
-                        f"by {check['mean']:.3g} on average (max {check['max']:.3g}) > engine.reload_check_tol={tol:g}: "
-                        "the server is not serving these weights")
     return check
 
 
