@@ -97,6 +97,11 @@ class HarnessConfig(_Section):
     """Optional wall-clock limit of an execution (for real sandboxes; breaks determinism)."""
     score_retries: int = Field(2, ge=0)
     """An evaluator that raises is retried this many times; then the execution is excluded from training."""
+    command: list[str] = Field(default_factory=list)
+    """An external agent harness: the program (argv) each execution runs, in a workspace the environment sets
+    up, talking to the model through Gyre's recording proxy (`OPENAI_BASE_URL`, `OPENAI_API_KEY`); the
+    environment's `score_workspace` scores what it leaves. Empty: Gyre's own harness. The limits above apply
+    to it too (turns = model calls; a call beyond `context_tokens` is refused with `context_length_exceeded`)."""
 
 
 class RolloutConfig(_Section):
@@ -286,6 +291,48 @@ class EngineConfig(_Section):
     float32, 0.25 in half precision (bf16 kernels: 0.05–0.1 measured on SmolLM2)."""
 
 
+class ProxyConfig(_Section):
+    """The recording OpenAI-compatible proxy (`gyre_core.proxy`): started by the rollout phase for an external
+    harness (`harness.command`), or on its own by `gyre proxy`."""
+
+    host: str = "127.0.0.1"
+    """Where it listens. Anything but loopback needs `admin_token` set (execution keys are bearer tokens)."""
+    port: int = Field(0, ge=0, le=65535)
+    """0: any free port."""
+    admin_token: str | None = None
+    """`gyre proxy`: the bearer token of its /gyre/executions API (None: a random one, printed at start)."""
+    sampling: Literal["run", "request"] = "run"
+    """`run`: every call samples at the run's temperature (what RL trains on), whatever the request asks;
+    `request`: the request's temperature (top_p < 1 is refused: the engines sample the full distribution)."""
+    chunk_tokens: int = Field(16, gt=0)
+    """Tokens a cell generates per call per round: streaming granularity, and where a call may move cells."""
+    max_request_bytes: int = Field(8 << 20, gt=0)
+    """Larger request bodies are refused (413)."""
+    max_inflight: int = Field(16, gt=0)
+    """Requests of one execution in flight at once; more are refused (429)."""
+    measure_drift: bool = True
+    """Off the request path, re-render each continued chat request from scratch and record whether its ids
+    would have differed (`calls.rerender_drift`)."""
+
+    @model_validator(mode="after")
+    def _loopback_or_token(self):
+        if not is_loopback(self.host) and not self.admin_token:
+            raise ValueError(f"proxy.host {self.host!r} is not loopback: set proxy.admin_token (bearer tokens are "
+                             "then required of every client)")
+        return self
+
+
+def is_loopback(host: str) -> bool:
+    import ipaddress
+
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
 class TrainerConfig(_Section):
     zero_stage: int = Field(1, ge=0, le=2)
     """DeepSpeed ZeRO stage (0–2; stage 3 partitions the weights the publisher reads)."""
@@ -373,6 +420,7 @@ class GyreConfig(_Section):
     tracking: TrackingConfig = Field(default_factory=TrackingConfig)
     trainer: TrainerConfig = Field(default_factory=TrainerConfig)
     engine: EngineConfig = Field(default_factory=EngineConfig)
+    proxy: ProxyConfig = Field(default_factory=ProxyConfig)
     elastic: ElasticConfig = Field(default_factory=ElasticConfig)
 
     @model_validator(mode="after")
@@ -413,6 +461,20 @@ class GyreConfig(_Section):
     def _replay_is_synchronous(self):
         if self.run.replay and self.elastic.enabled:
             raise ValueError("run.replay: replays the synchronous loop; set elastic.enabled=false")
+        return self
+
+    @model_validator(mode="after")
+    def _external_harness(self):
+        if not self.harness.command:
+            return self
+        if self.rollout.fork_k > 1:
+            raise ValueError("rollout.fork_k: forks copy Gyre's own harness mid-execution; an external harness "
+                             "(harness.command) cannot be copied, set rollout.fork_k=1")
+        if self.elastic.enabled:
+            raise ValueError("harness.command: the elastic phase runs Gyre's own harness; set elastic.enabled=false")
+        if self.eval.random_baseline:
+            raise ValueError("eval.random_baseline: the uniform-random floor needs Gyre's own harness; set it false "
+                             "with harness.command")
         return self
 
     def run_id(self) -> str:

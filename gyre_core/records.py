@@ -12,7 +12,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-SCHEMA_VERSION = 4      # 2: calls gained tool_call_ids and payload_uri; 3: progress; 4: tool_parse, tool_spans
+SCHEMA_VERSION = 5      # 2: calls gained tool_call_ids and payload_uri; 3: progress; 4: tool_parse, tool_spans;
+#                         5: rerender_drift
 #                         (older lakes still read)
 
 # Roles of a model-call context, highest training priority first (the processor may reorder).
@@ -48,6 +49,8 @@ class CallRecord:
     progress: float | None = None  # the env's progress() when the call was made (None: the env has no such hook)
     tool_parse: str = ""          # tool-call parse of the completion: "" (env has no tools), none, ok, malformed
     tool_spans: list[list[int]] = field(default_factory=list)  # [first, end) completion token index per tool call
+    rerender_drift: bool | None = None  # proxy calls extending a served context: would re-rendering the request's
+    #                                     messages from scratch have given other prompt ids? (None: not measured)
 
     def delta(self) -> list[int]:
         """Prompt tokens not supplied by the parent (what the lake stores)."""

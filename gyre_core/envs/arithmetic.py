@@ -70,6 +70,23 @@ class ArithmeticEnv:
         tried = ", ".join(map(str, self.answers)) or "nothing yet"
         return f"{self.mission()} Tried: {tried}."
 
+    def setup_workspace(self, path: str) -> str:
+        """For an external agent: the question in TASK.md; it writes its answer to answer.txt."""
+        from pathlib import Path
+
+        task = f"{self.mission()} Write the answer, a number, to answer.txt."
+        Path(path, "TASK.md").write_text(f"{self.instructions()}\n\n{task}\n")
+        return task
+
+    def score_workspace(self, path: str) -> Score:
+        """The last number in answer.txt is the answer (none, or no file: no answer)."""
+        from pathlib import Path
+
+        answer = Path(path, "answer.txt")
+        if answer.is_file():
+            self.step(answer.read_text(errors="replace")[-2000:])
+        return self.score()
+
     def expert_action(self) -> str | None:
         return None if self._done() else str(self.answer)
 

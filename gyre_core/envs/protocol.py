@@ -29,6 +29,11 @@ Optional hooks (use `supports(env, hook)` to ask whether an env has one):
   error result). The harness renders the tools with the model's chat template, parses tool calls from
   each completion (`harness/tools.py`) and answers them with `tool` messages; a completion without a
   tool call goes to `step()` as before (a final answer, or a text action). Both or neither.
+- `setup_workspace(self, path: str) -> str` / `score_workspace(self, path: str) -> Score | None` — the task
+  as an external agent harness (`harness.command`) meets it: after `reset(seed)`, write what the agent
+  works on into the empty directory `path` (its working directory) and return the task text it is given
+  (`GYRE_TASK`); when the agent has exited, score what it left in `path` (an exception is an evaluator
+  failure, retried as `score`'s). Both or neither.
 """
 from __future__ import annotations
 
@@ -37,7 +42,9 @@ from typing import Protocol, runtime_checkable
 
 REQUIRED_ATTRIBUTES = ("name", "actions")
 REQUIRED_METHODS = ("instructions", "reset", "mission", "step", "score", "summary")
-HOOKS = ("expert_action", "corpus", "save_state", "restore_state", "progress", "tools", "call_tool")
+HOOKS = ("expert_action", "corpus", "save_state", "restore_state", "progress", "tools", "call_tool",
+         "setup_workspace", "score_workspace")
+PAIRED = (("save_state", "restore_state"), ("tools", "call_tool"), ("setup_workspace", "score_workspace"))
 
 
 @dataclass(slots=True)
@@ -80,8 +87,5 @@ def supports(env: object, hook: str) -> bool:
     """Whether `env` implements the optional `hook` (one of HOOKS). Save/restore count only as a pair."""
     if hook not in HOOKS:
         raise ValueError(f"unknown hook {hook!r}; known hooks: {', '.join(HOOKS)}")
-    if hook in ("save_state", "restore_state"):
-        return callable(getattr(env, "save_state", None)) and callable(getattr(env, "restore_state", None))
-    if hook in ("tools", "call_tool"):
-        return callable(getattr(env, "tools", None)) and callable(getattr(env, "call_tool", None))
-    return callable(getattr(env, hook, None))
+    pair = next((p for p in PAIRED if hook in p), (hook,))
+    return all(callable(getattr(env, h, None)) for h in pair)

@@ -74,6 +74,7 @@ CALLS = pa.schema(
         ("progress", pa.float64()),                 # since version 3: the env's progress() before the call
         ("tool_parse", pa.string()),                # since version 4: "", none, ok, malformed
         ("tool_spans", pa.list_(pa.list_(pa.int32()))),  # since version 4: [first, end) tokens per tool call
+        ("rerender_drift", pa.bool_()),             # since version 5: proxy calls; NULL where not measured
     ],
     metadata=_META,
 )
@@ -228,7 +229,8 @@ SCHEMAS: dict[str, pa.Schema] = {
 # Columns added after version 1, with the version that added them: files of an older version lack them
 # (they read as NULL); any other missing column is a schema mismatch.
 ADDED_IN: dict[str, dict[str, int]] = {
-    "calls": {"tool_call_ids": 2, "payload_uri": 2, "progress": 3, "tool_parse": 4, "tool_spans": 4},
+    "calls": {"tool_call_ids": 2, "payload_uri": 2, "progress": 3, "tool_parse": 4, "tool_spans": 4,
+              "rerender_drift": 5},
     "scores": {"multiplicity": 2, "kept_as": 2},
 }
 
@@ -271,6 +273,7 @@ def calls_table(records: list[ExecutionRecord]) -> pa.Table:
         "progress": [c.progress for _, c in rows],
         "tool_parse": [c.tool_parse for _, c in rows],
         "tool_spans": [c.tool_spans for _, c in rows],
+        "rerender_drift": [c.rerender_drift for _, c in rows],
     }
     return pa.Table.from_pydict(cols, schema=CALLS)
 
@@ -353,6 +356,7 @@ def _rebuild_calls(execution_id: str, rows: list[dict[str, Any]]) -> list[CallRe
             parent_call=r["parent_call"], prefix_len=r["prefix_len"],
             t_start=r["t_start"], t_end=r["t_end"], tool_call_ids=r.get("tool_call_ids") or [],
             progress=r.get("progress"), tool_parse=r.get("tool_parse") or "", tool_spans=r.get("tool_spans") or [],
+            rerender_drift=r.get("rerender_drift"),
         ))
     return calls
 

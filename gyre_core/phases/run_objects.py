@@ -150,11 +150,27 @@ def env_factory(cfg: GyreConfig, rollout: bool = False):
 
 
 def run_specs(cfg: GyreConfig, bundle: PolicyBundle, specs, policy, on_finish=None, rollout: bool = False) -> list:
-    """Run `specs` through the harness with `policy` on the config's environments; the finished records."""
+    """Run `specs` through the harness with `policy` on the config's environments; the finished records. With
+    `harness.command` the model's executions run that external harness through the recording proxy
+    (`harness.external`); scripted policies (the expert's demonstrations) always use Gyre's own."""
     from ..harness.loop import run_executions
+    from ..harness.policies import EnginePolicy
+
+    if cfg.harness.command and isinstance(policy, EnginePolicy):
+        from ..harness.external import run_external
+
+        return run_external(cfg, bundle.chat, bundle.stop_texts, policy.engine, policy.temperature, specs,
+                            env_factory(cfg, rollout), on_finish, model_name=served_model_name(cfg))
 
     return run_executions(specs, policy, cfg.harness, env_factory(cfg, rollout), bundle.chat, bundle.stop_texts,
                           cfg.rollout.concurrency, on_finish)
+
+
+def served_model_name(cfg: GyreConfig) -> str:
+    """The model name the proxy serves (`GET /v1/models`): the model directory's name, or `gyre-tiny`."""
+    from pathlib import Path
+
+    return Path(cfg.model.path).name if cfg.model.path else "gyre-tiny"
 
 
 def run_policy(run: RunDir, specs, policy, on_finish=None, rollout: bool = False) -> list:
