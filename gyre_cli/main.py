@@ -11,6 +11,7 @@
     gyre lake retain --days D [--keep RUN ...] [--dry-run] [--run RUN] [--lake ROOT]
     gyre up [--prefect-port 4200] [--mlflow-port 5000] [--devices 0,1 ...]    /    gyre down
     gyre worker --pool gyre --queue rollout [--queue train] [--devices 0,1] [--name N] [--dry-run]
+    gyre proxy [--preset P] [--set model.path=DIR ...] [--name RUN]    (the recording OpenAI-compatible proxy on its own)
     gyre bench engine [--json]
     gyre bench processor [--json] [--quick]
     gyre bench elastic [--json] [--quick]
@@ -19,6 +20,7 @@
     gyre bench cells [--json]
     gyre bench channel [--json]       (satellites' gradients: process-group reduce vs arrays relayed)
     gyre bench gpu [--json]           (where torch sees a GPU: the GPU path against CPU references)
+    gyre bench proxy [--json] [--quick]   (proxy overhead, 256 executions at once, fidelity, a switch mid-stream)
     gyre sim [--profile laptop|paper-122b|paper-2.4t] [--set k=8 ...] [--policy all] [--async-split best] [--json]
     gyre presets
 
@@ -277,6 +279,39 @@ def cmd_worker(args) -> int:
                       dry_run=args.dry_run, limit=args.limit)
 
 
+def cmd_proxy(args) -> int:
+    """The recording proxy in front of `model.path` until Ctrl-C; ended executions go to the lake."""
+    import threading
+
+    from gyre_core.config import ConfigError, load_config
+    from gyre_core.proxy.standalone import serve
+
+    try:
+        cfg = load_config(args.preset, list(args.set or []))
+    except ConfigError as exc:
+        print(f"gyre proxy: config error: {exc}", file=sys.stderr)
+        return 2
+    run_id = args.name or f"proxy-{cfg.run.seed}"
+    stop = threading.Event()
+
+    def ready(server, admin) -> None:
+        print(f"gyre proxy: serving {cfg.model.path} ({cfg.engine.kind}) at {server.base_url}\n"
+              f"  open an execution:  curl -X POST {server.url}/gyre/executions -H 'Authorization: Bearer {admin.token}'\n"
+              f"  then point the agent at OPENAI_BASE_URL={server.base_url} OPENAI_API_KEY=<its api_key>\n"
+              f"  end it:  curl -X POST {server.url}/gyre/executions/<execution_id>/end -H 'Authorization: Bearer "
+              f"{admin.token}' -d '{{\"reward\": 1.0}}'   (recorded in the lake {cfg.lake.root}, run {run_id})",
+              flush=True)
+
+    try:
+        serve(cfg, run_id, stop, ready)
+    except (ConfigError, ValueError) as exc:
+        print(f"gyre proxy: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("gyre proxy: stopped", file=sys.stderr)
+    return 0
+
+
 def cmd_bench(args) -> int:
     import contextlib
 
@@ -327,6 +362,10 @@ def _run_bench(args):
         from bench.grad_channel import bench_channel
 
         result = bench_channel()
+    elif args.what == "proxy":
+        from bench.proxy import bench_proxy
+
+        result = bench_proxy(quick=args.quick)
     elif args.what == "gpu":
         import torch
 
@@ -474,10 +513,17 @@ def main(argv: list[str] | None = None) -> int:
     wk.add_argument("--dry-run", action="store_true", help="check, print the command, do not start")
     wk.set_defaults(fn=cmd_worker)
     b = sub.add_parser("bench", help="benchmarks that print figures")
-    b.add_argument("what", choices=("engine", "processor", "elastic", "lake", "prefect", "cells", "channel", "gpu"))
+    b.add_argument("what", choices=("engine", "processor", "elastic", "lake", "prefect", "cells", "channel", "gpu",
+                                    "proxy"))
     b.add_argument("--json", action="store_true", help="one line of JSON")
     b.add_argument("--quick", action="store_true", help="fewer repetitions and a smaller workload")
     b.set_defaults(fn=cmd_bench)
+    px = sub.add_parser("proxy", help="the recording OpenAI-compatible proxy in front of a model, until Ctrl-C")
+    px.add_argument("--preset", default="default")
+    px.add_argument("--set", action="append", metavar="KEY=VALUE",
+                    help="e.g. model.path=DIR, engine.kind=vllm, proxy.port=8000, proxy.sampling=request")
+    px.add_argument("--name", default=None, help="the lake run its executions are written to (default proxy-<seed>)")
+    px.set_defaults(fn=cmd_proxy)
     sm = sub.add_parser("sim", help="simulate colocated / async / elastic scheduling on a fleet")
     sm.add_argument("--profile", default="laptop", help="laptop | paper-122b | paper-2.4t")
     sm.add_argument("--set", action="append", metavar="KEY=VALUE",

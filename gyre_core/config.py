@@ -8,12 +8,13 @@ parsed as YAML. Every error is a `ConfigError` whose message is one line naming 
 """
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 PRESET_DIR = Path(__file__).parent / "presets"
 DEMO_SEED_OFFSET = 500_000_000   # demonstrations use train_seed_start + this + i
@@ -101,7 +102,19 @@ class HarnessConfig(_Section):
     """An external agent harness: the program (argv) each execution runs, in a workspace the environment sets
     up, talking to the model through Gyre's recording proxy (`OPENAI_BASE_URL`, `OPENAI_API_KEY`); the
     environment's `score_workspace` scores what it leaves. Empty: Gyre's own harness. The limits above apply
-    to it too (turns = model calls; a call beyond `context_tokens` is refused with `context_length_exceeded`)."""
+    to it too (turns = model calls; a call beyond `context_tokens` is refused with `context_length_exceeded`).
+    A string is split as a shell would (`"python agent.py --turns 3"`)."""
+
+    @field_validator("command", mode="before")
+    @classmethod
+    def _argv(cls, v):
+        if isinstance(v, str):
+            import shlex
+
+            return shlex.split(v)
+        if isinstance(v, list):     # YAML reads `--turns, 3` as a number: every word is text
+            return [x if isinstance(x, str) else json.dumps(x) for x in v]
+        return v
 
 
 class RolloutConfig(_Section):

