@@ -18,7 +18,8 @@ All on Gyre's tiny model and the local engine (one torch thread), the proxy on l
   harness of 16 executions; `fidelity` is the share of recorded calls whose completion ids and log-probs are
   exactly what the engine generated for the recorded prompt (rebuilt from the engine's own log, chunk by
   chunk); `drift_prevented` the calls whose messages, re-rendered from scratch, would have tokenised to
-  other prompt ids than the exact ones recorded (of `drift_measured` continued calls).
+  other prompt ids than the exact ones recorded (of `drift_measured` continued calls). Tiny model, and, where
+  it has been fetched, SmolLM2-135M-Instruct (`_smollm2`: a real chat model's text).
 - Switch: 32 streamed responses on two cells; once every stream has its first tokens, cell 0 leaves
   rollout; `switch_moved` calls continue on cell 1, `switch_client_errors` counts client exceptions, and
   `switch_streams_equal_record` whether each client's text is the decoded recorded completion.
@@ -35,6 +36,7 @@ import time
 import torch
 
 SYSTEM = "You are a careful assistant who solves arithmetic."
+SMOLLM2 = "data/models/SmolLM2-135M-Instruct"      # `gyre model fetch smollm2-135m-instruct` (the real presets fetch it)
 
 
 class LoggedEngine:
@@ -140,8 +142,12 @@ def overhead(tok, model, calls: int, measure_drift: bool = True) -> dict:
     with open_proxy(cfg, ChatFormat(tok), {i: tok.decode([i]) for i in stops}, [eng], 1.0) as (proxy, server):
         rec = _record("overhead")
         keys = proxy.open_execution(rec)
-        out = subprocess.run([sys.executable, "-m", "bench.proxy", "--client", server.base_url, keys.main,
-                              str(calls + warm)], capture_output=True, text=True, check=True, timeout=600)
+        import os
+
+        out = subprocess.run([sys.executable, "-m", "bench.proxy", "--client", server.base_url, str(calls + warm)],
+                             capture_output=True, text=True, timeout=600, env={**os.environ, "OPENAI_API_KEY": keys.main})
+        if out.returncode:
+            raise RuntimeError(f"the overhead client failed: {out.stderr.strip()[-500:]}")
         walls = json.loads(out.stdout.strip().splitlines()[-1])
         proxy.close_execution(rec.execution_id)
     # one engine round per call (max_tokens = chunk_tokens), calls one after another: round i is call i
@@ -204,7 +210,7 @@ def concurrency(tok, model, n: int) -> dict:
             **({"client_error_example": errors[0][:200]} if errors else {})}
 
 
-def fidelity(tok, model, executions: int) -> dict:
+def fidelity(tok, model, executions: int, tag: str = "") -> dict:
     from gyre_core.engine import LocalEngine
     from gyre_core.envs import load_env
     from gyre_core.harness.conversation import ChatFormat
@@ -214,7 +220,7 @@ def fidelity(tok, model, executions: int) -> dict:
 
     stops = stop_token_ids(model, tok)
     eng = LoggedEngine(LocalEngine(model, stops, seed=0))
-    cfg = _cfg("harness.command=[python,examples/openai_agent.py,--max-turns,4,--max-tokens,16,--compact-at,900]",
+    cfg = _cfg("harness.command=[python,examples/openai_agent.py,--max-turns,4,--max-tokens,16,--compact-at,500]",
                "harness.max_new_tokens=16", "rollout.concurrency=8")
     specs = [ExecutionSpec("bench", 0, f"bench/f{i}", f"seed{i // 4}", i // 4, "train") for i in range(executions)]
     t0 = time.perf_counter()
@@ -225,10 +231,12 @@ def fidelity(tok, model, executions: int) -> dict:
     calls = [c for r in records for c in r.calls]
     exact = sum(generated(index, c) for c in calls)
     measured = [c for c in calls if c.rerender_drift is not None]
-    return {"fidelity": round(exact / len(calls), 4) if calls else None, "fidelity_calls": len(calls),
-            "drift_prevented": sum(c.rerender_drift for c in measured), "drift_measured": len(measured),
-            "agent_executions": len(records), "agent_failed": sum(r.status == "failed" for r in records),
-            "agent_roles": sorted({c.role for c in calls}), "agent_wall_s": round(wall, 1)}
+    out = {"fidelity": round(exact / len(calls), 4) if calls else None, "fidelity_calls": len(calls),
+           "drift_prevented": sum(c.rerender_drift for c in measured), "drift_measured": len(measured),
+           "agent_executions": len(records), "agent_failed": sum(r.status == "failed" for r in records),
+           "agent_roles": sorted({c.role for c in calls}), "agent_tool_calls": sum(len(c.tool_call_ids) for c in calls),
+           "agent_wall_s": round(wall, 1)}
+    return {f"{k}{tag}": v for k, v in out.items()}
 
 
 def switch(tok, model, streams: int) -> dict:
@@ -287,10 +295,17 @@ def bench_proxy(quick: bool = False) -> dict:
     torch.set_num_threads(1)
     tok, model = _tiny()
     out = {}
-    out.update(overhead(tok, model, 100 if quick else 300))
-    out.update(overhead(tok, model, 100 if quick else 300, measure_drift=False))
+    out.update(overhead(tok, model, 100 if quick else 200))
+    out.update(overhead(tok, model, 100 if quick else 200, measure_drift=False))
     out.update(concurrency(tok, model, 64 if quick else 256))
     out.update(fidelity(tok, model, 8 if quick else 16))
+    from pathlib import Path
+
+    if not quick and Path(SMOLLM2).is_dir():      # a real chat model, where re-tokenising is subtler
+        from gyre_core.model import load_policy
+
+        model, tok = load_policy(SMOLLM2)
+        out.update(fidelity(tok, model, 16, tag="_smollm2"))
     out.update(switch(tok, model, 8 if quick else 32))
     return out
 
@@ -299,6 +314,8 @@ if __name__ == "__main__":
     import sys
 
     if sys.argv[1:2] == ["--client"]:
-        print(json.dumps(conversation_client(sys.argv[2], sys.argv[3], int(sys.argv[4]))))
+        import os
+
+        print(json.dumps(conversation_client(sys.argv[2], os.environ["OPENAI_API_KEY"], int(sys.argv[3]))))
     else:
         print(json.dumps(bench_proxy(quick="--quick" in sys.argv)))

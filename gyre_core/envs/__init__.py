@@ -97,7 +97,8 @@ def check_environment(env: object, seeds: tuple[int, ...] = (0, 1), steps: int =
     unparseable action gives valid=False and leaves the state unchanged, that scores are in [0, 1], and
     the optional hooks (expert_action answers one of `actions` or None; save/restore reproduces the
     following observations; corpus yields strings deterministically without disturbing the episode;
-    tools are well-formed function schemas with distinct names, and calling an unknown tool raises).
+    tools are well-formed function schemas with distinct names, and calling an unknown tool raises; a
+    workspace is set up alike for the same seed and scores when untouched).
     Probes play `steps` actions per seed (random words, half replaced by the expert's when there is
     one), several times each, so keep `steps` small for slow envs.
     """
@@ -116,6 +117,8 @@ def check_environment(env: object, seeds: tuple[int, ...] = (0, 1), steps: int =
         checks.append(_check_progress)
     if supports(env, "tools"):
         checks.append(_check_tools)
+    if supports(env, "setup_workspace"):
+        checks.append(_check_workspace)
     for check in checks:
         try:
             problems += check(env, seeds, steps)
@@ -292,6 +295,32 @@ def _check_tools(env: Any, seeds: tuple[int, ...], steps: int) -> list[str]:
     except Exception:  # noqa: BLE001 - raising is what is asked
         pass
     return problems
+
+
+def _check_workspace(env: Any, seeds: tuple[int, ...], steps: int) -> list[str]:
+    """`setup_workspace(path)` returns the task text, the same files and text for the same seed; the untouched
+    workspace scores as a Score (or None) with partial in [0, 1]."""
+    import tempfile
+    from pathlib import Path
+
+    def snapshot(seed: int):
+        with tempfile.TemporaryDirectory() as d:
+            env.reset(seed)
+            task = env.setup_workspace(d)
+            files = {str(f.relative_to(d)): f.read_bytes() for f in sorted(Path(d).rglob("*")) if f.is_file()}
+            score = env.score_workspace(d)
+        return task, files, score
+
+    out = []
+    for seed in seeds:
+        (task, files, score), (task2, files2, _) = snapshot(seed), snapshot(seed)
+        if not isinstance(task, str) or not task:
+            out.append(f"workspace: setup_workspace returned {task!r:.80}, not the task text")
+        if (task, files) != (task2, files2):
+            out.append(f"workspace: seed {seed} set up a different workspace or task the second time")
+        if score is not None and not (isinstance(score, Score) and 0.0 <= score.partial <= 1.0):
+            out.append(f"workspace: score_workspace of an untouched workspace gave {score!r:.80}")
+    return out
 
 
 def _check_progress(env: Any, seeds: tuple[int, ...], steps: int) -> list[str]:

@@ -22,6 +22,8 @@ TARGETS = [
     pytest.param("gyre_core.envs.scripted:ScriptedEnv", {}, id="scripted"),
     pytest.param("gyre_core.envs.scripted:ScriptedEnv", {"length": 1}, id="scripted-1"),
     pytest.param("examples.custom_env:GuessEnv", {"high": 20}, id="guess"),
+    pytest.param("gyre_core.envs.arithmetic:ArithmeticEnv", {}, id="arithmetic"),
+    pytest.param("gyre_core.envs.arithmetic:ArithmeticToolEnv", {"ops": "+-*"}, id="arithmetic-tools"),
 ]
 
 
@@ -120,6 +122,15 @@ class ProgressThatMoves(ScriptedEnv):
         return super().progress()
 
 
+class RandomWorkspace(ScriptedEnv):
+    def setup_workspace(self, path):
+        Path(path, "seed.txt").write_text(str(random.random()))
+        return "do the task"
+
+    def score_workspace(self, path):
+        return self.score()
+
+
 @pytest.mark.parametrize(("env", "expected"), [
     (Nondeterministic(), "reset(0) is not deterministic"),
     (InvalidMovesAnyway(), "an invalid action changed score() or summary()"),
@@ -128,6 +139,7 @@ class ProgressThatMoves(ScriptedEnv):
     (WrongExpert(), "expert_action() returned 'fly', not one of actions or None"),
     (ProgressOutOfRange(), "progress() returned 1.5, not a number in [0, 1]"),
     (ProgressThatMoves(), "calling progress() changed the episode"),
+    (RandomWorkspace(), "set up a different workspace"),
 ])
 def test_broken_env_is_reported(env, expected):
     problems = check_environment(env, steps=8)

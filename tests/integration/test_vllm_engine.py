@@ -247,3 +247,32 @@ def test_vllm_cell_aborts_continues_and_reloads_mid_call(policy, tmp_path):
     finally:
         a.close()
         b.close()
+
+
+def test_the_openai_sdk_agent_through_the_proxy_on_vllm(engine, policy):
+    """examples/openai_agent.py as the external harness, the proxy in front of the vLLM server: every recorded
+    completion is what the server generated for the recorded prompt, and each token's log-prob is a plain HF
+    forward's of that prompt (float32 on both sides)."""
+    from bench.proxy import LoggedEngine, engine_index, generated
+    from gyre_core.config import load_config
+    from gyre_core.envs import load_env
+    from gyre_core.harness.conversation import ChatFormat
+    from gyre_core.harness.external import run_external
+    from gyre_core.harness.loop import ExecutionSpec
+
+    _, model, tok = policy
+    cfg = load_config("proxy-smoke", ["harness.command=[python,examples/openai_agent.py,--max-turns,3,--max-tokens,12,"
+                                      "--compact-at,300]", "rollout.concurrency=4"])
+    logged = LoggedEngine(engine)
+    stops = engine.stop_ids
+    specs = [ExecutionSpec("r", 0, f"r/e{i}", f"seed{i}", i, "train") for i in range(4)]
+    records = run_external(cfg, ChatFormat(tok), {i: tok.decode([i]) for i in stops}, logged, 1.0, specs,
+                           lambda: load_env(cfg.env.target, **cfg.env.kwargs))
+    assert [r.status for r in records] == ["done"] * 4, [r.error for r in records]
+    calls = [c for r in records for c in r.calls]
+    index = engine_index(logged)
+    assert len(calls) >= 12 and all(generated(index, c) for c in calls)
+    assert {c.role for c in calls} == {"sub-agent", "main", "main-summary"}
+    for c in calls[:6]:
+        ref = model_logprobs(model, c.prompt_ids + c.completion_ids)[len(c.prompt_ids) - 1:]
+        assert max(abs(a - b) for a, b in zip(c.logprobs, ref)) < 1e-3
