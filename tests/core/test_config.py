@@ -33,6 +33,9 @@ def test_dotted_overrides_parse_yaml_values():
     ("rl.advantage_norm=max", "rl.advantage_norm: Input should be 'none' or 'std'"),
     ("noequals", "override 'noequals': expected key=value"),
     ("rl.max_kl=0.02 elastic.enabled=true", "rl.max_kl: the elastic phase streams its update and cannot redo"),
+    ("harness.command=[python,agent.py] rollout.fork_k=2", "rollout.fork_k: forks copy Gyre's own harness"),
+    ("harness.command=[python,agent.py]", "eval.random_baseline: the uniform-random floor needs Gyre's own harness"),
+    ("proxy.host=0.0.0.0", "proxy.host '0.0.0.0' is not loopback: set proxy.admin_token"),
 ])
 def test_bad_values_name_the_field(override, message):
     with pytest.raises(ConfigError) as err:
@@ -42,7 +45,7 @@ def test_bad_values_name_the_field(override, message):
 
 
 def test_unknown_preset_lists_allowed():
-    with pytest.raises(ConfigError, match=r"preset: unknown preset 'nope' \(allowed: default, long, quick, real-quick, real-smoke, smoke\)"):
+    with pytest.raises(ConfigError, match=r"preset: unknown preset 'nope' \(allowed: default, long, proxy-smoke, quick, real-quick, real-smoke, smoke\)"):
         load_config("nope")
 
 
