@@ -134,12 +134,14 @@ def overhead(tok, model, calls: int, measure_drift: bool = True) -> dict:
     from gyre_core.harness.conversation import ChatFormat
     from gyre_core.model import stop_token_ids
     from gyre_core.proxy import open_proxy
+    from gyre_core.proxy.pool import CellPool
 
     stops = stop_token_ids(model, tok)
     eng = LoggedEngine(LocalEngine(model, stops, seed=0))
     cfg = _cfg("harness.max_new_tokens=8", "proxy.chunk_tokens=8", f"proxy.measure_drift={str(measure_drift).lower()}")
     warm = 5
-    with open_proxy(cfg, ChatFormat(tok), {i: tok.decode([i]) for i in stops}, [eng], 1.0) as (proxy, server):
+    with open_proxy(cfg, ChatFormat(tok), {i: tok.decode([i]) for i in stops}, CellPool([eng], cfg.proxy.chunk_tokens),
+                    1.0) as (proxy, server):
         rec = _record("overhead")
         keys = proxy.open_execution(rec)
         import os
@@ -174,12 +176,13 @@ def concurrency(tok, model, n: int) -> dict:
     from gyre_core.harness.conversation import ChatFormat
     from gyre_core.model import stop_token_ids
     from gyre_core.proxy import open_proxy
+    from gyre_core.proxy.pool import CellPool
 
     stops = stop_token_ids(model, tok)
     cfg = _cfg("harness.max_new_tokens=8")
     errors: list[str] = []
-    with open_proxy(cfg, ChatFormat(tok), {i: tok.decode([i]) for i in stops}, [LocalEngine(model, stops, seed=0)],
-                    1.0) as (proxy, server):
+    pool = CellPool([LocalEngine(model, stops, seed=0)], cfg.proxy.chunk_tokens)
+    with open_proxy(cfg, ChatFormat(tok), {i: tok.decode([i]) for i in stops}, pool, 1.0) as (proxy, server):
         recs = [_record(f"c{i}") for i in range(n)]
         keys = [proxy.open_execution(r) for r in recs]
 
@@ -245,13 +248,14 @@ def switch(tok, model, streams: int) -> dict:
     from gyre_core.engine import LocalEngine
     from gyre_core.harness.conversation import ChatFormat
     from gyre_core.proxy import open_proxy
+    from gyre_core.proxy.pool import CellPool
 
     cfg = _cfg("proxy.chunk_tokens=4", "harness.max_new_tokens=48")
     never = len(tok) + 7        # a stop id outside the vocabulary: every stream runs its 48 tokens
     cells = [LoggedEngine(LocalEngine(copy.deepcopy(model), [never], version=v, seed=v)) for v in (0, 1)]
     got, errors = {}, []
     barrier = threading.Barrier(streams + 1)
-    with open_proxy(cfg, ChatFormat(tok), {}, cells, 1.0) as (proxy, server):
+    with open_proxy(cfg, ChatFormat(tok), {}, CellPool(cells, cfg.proxy.chunk_tokens), 1.0) as (proxy, server):
         recs = [_record(f"s{i}") for i in range(streams)]
         keys = [proxy.open_execution(r) for r in recs]
 

@@ -295,11 +295,12 @@ def cmd_proxy(args) -> int:
     stop = threading.Event()
 
     def ready(server, admin) -> None:
+        token = "$GYRE_PROXY_TOKEN (proxy.admin_token)" if cfg.proxy.admin_token else admin.token   # a generated one
         print(f"gyre proxy: serving {cfg.model.path} ({cfg.engine.kind}) at {server.base_url}\n"
-              f"  open an execution:  curl -X POST {server.url}/gyre/executions -H 'Authorization: Bearer {admin.token}'\n"
+              f"  open an execution:  curl -X POST {server.url}/gyre/executions -H 'Authorization: Bearer {token}'\n"
               f"  then point the agent at OPENAI_BASE_URL={server.base_url} OPENAI_API_KEY=<its api_key>\n"
               f"  end it:  curl -X POST {server.url}/gyre/executions/<execution_id>/end -H 'Authorization: Bearer "
-              f"{admin.token}' -d '{{\"reward\": 1.0}}'   (recorded in the lake {cfg.lake.root}, run {run_id})",
+              f"{token}' -d '{{\"reward\": 1.0}}'   (recorded in the lake {cfg.lake.root}, run {run_id})",
               flush=True)
 
     try:

@@ -105,6 +105,10 @@ class HarnessConfig(_Section):
     to it too (turns = model calls; a call beyond `context_tokens` is refused with `context_length_exceeded`).
     A string is split as a shell would (`"python agent.py --turns 3"`)."""
 
+    pass_env: list[str] = Field(default_factory=list)
+    """Names of Gyre's environment variables the external harness also gets (beyond PATH, HOME, the locale and
+    a few more: `harness.external.BASE_ENV`); nothing else of Gyre's environment reaches it."""
+
     @field_validator("command", mode="before")
     @classmethod
     def _argv(cls, v):
@@ -483,8 +487,6 @@ class GyreConfig(_Section):
         if self.rollout.fork_k > 1:
             raise ValueError("rollout.fork_k: forks copy Gyre's own harness mid-execution; an external harness "
                              "(harness.command) cannot be copied, set rollout.fork_k=1")
-        if self.elastic.enabled:
-            raise ValueError("harness.command: the elastic phase runs Gyre's own harness; set elastic.enabled=false")
         if self.eval.random_baseline:
             raise ValueError("eval.random_baseline: the uniform-random floor needs Gyre's own harness; set it false "
                              "with harness.command")

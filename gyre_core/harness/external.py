@@ -12,6 +12,9 @@ For each execution: the environment is reset to its seed and sets up an empty wo
     GYRE_MODEL             the model name the proxy serves
     GYRE_TASK              the task text;  GYRE_WORKSPACE  the workspace (also its working directory)
 
+and of Gyre's own environment only `BASE_ENV` (PATH, HOME, locale, ...) and the names in `harness.pass_env`
+(none of Gyre's credentials reach a program the model drives)
+
 and the execution ends when the process exits or hits a limit: wall clock (`harness.wall_clock_s`), model
 calls (`harness.max_turns`) or tokens (`harness.max_execution_tokens`) — the proxy refuses the call that
 would exceed one, and the process group is then stopped. The environment's `score_workspace` scores what
@@ -38,6 +41,18 @@ from ..envs.protocol import supports
 from ..records import STATUS_DONE, STATUS_FAILED, STATUS_TIMEOUT, ExecutionRecord
 
 POLL_S = 0.02
+# What the agent program inherits of Gyre's environment (plus `harness.pass_env`): enough to run a program,
+# none of Gyre's credentials.
+BASE_ENV = ("PATH", "HOME", "USER", "LOGNAME", "SHELL", "LANG", "LANGUAGE", "LC_ALL", "LC_CTYPE", "TZ", "TMPDIR",
+            "TERM", "SSL_CERT_FILE", "SSL_CERT_DIR")
+
+
+def agent_env(harness, base_url: str, keys, model_name: str, task: str, workspace: Path) -> dict[str, str]:
+    """The agent program's environment: `BASE_ENV` and `harness.pass_env` from Gyre's, then its endpoint."""
+    env = {k: v for k, v in os.environ.items() if k in BASE_ENV or k in harness.pass_env or k.startswith("LC_")}
+    env.update({"OPENAI_BASE_URL": base_url, "OPENAI_API_KEY": keys.main, "GYRE_SUBAGENT_API_KEY": keys.sub_agent,
+                "GYRE_MODEL": model_name, "GYRE_TASK": str(task), "GYRE_WORKSPACE": str(workspace)})
+    return env
 
 
 def resolve_command(command: list[str]) -> list[str]:
@@ -62,9 +77,11 @@ def run_external(cfg, chat, stop_texts: dict[int, str], engine, temperature: flo
     """Run `specs` with the external harness `cfg.harness.command`, `cfg.rollout.concurrency` at once, through a
     proxy on `engine` sampling at `temperature`; the records in the order of `specs`."""
     from ..proxy import open_proxy
+    from ..proxy.pool import CellPool
 
     command = resolve_command(cfg.harness.command)
-    with open_proxy(cfg, chat, stop_texts, [engine], temperature, model_name) as (proxy, server):
+    with open_proxy(cfg, chat, stop_texts, CellPool([engine], cfg.proxy.chunk_tokens), temperature,
+                    model_name) as (proxy, server):
         def one(spec) -> ExecutionRecord:
             rec = run_one(cfg, proxy, server.base_url, command, spec, make_env())
             if on_finish:
@@ -77,12 +94,21 @@ def run_external(cfg, chat, stop_texts: dict[int, str], engine, temperature: flo
 
 
 def run_one(cfg, proxy, base_url: str, command: list[str], spec, env) -> ExecutionRecord:
-    """One execution of the external harness (see the module's text)."""
+    """One execution of the external harness (see the module's text); its workspace and process group are
+    gone when it returns, however it ends."""
+    workspace = Path(tempfile.mkdtemp(prefix="gyre-ws-"))
+    log_path = workspace.parent / f"{workspace.name}.log"
+    try:
+        return _run_one(cfg, proxy, base_url, command, spec, env, workspace, log_path)
+    finally:
+        _cleanup(workspace, log_path)
+
+
+def _run_one(cfg, proxy, base_url: str, command: list[str], spec, env, workspace: Path, log_path: Path) -> ExecutionRecord:
     h = cfg.harness
     rec = ExecutionRecord(run_id=spec.run_id, step=spec.step, execution_id=spec.execution_id, task_id=spec.task_id,
                           seed=spec.seed, split=spec.split, env=getattr(env, "name", type(env).__name__),
                           policy_version=spec.policy_version, t_start=time.time())
-    workspace = Path(tempfile.mkdtemp(prefix="gyre-ws-"))
     try:
         if not supports(env, "setup_workspace"):
             raise TypeError(f"environment {rec.env!r} has no setup_workspace/score_workspace hooks, which an "
@@ -90,35 +116,32 @@ def run_one(cfg, proxy, base_url: str, command: list[str], spec, env) -> Executi
         env.reset(spec.seed)
         task = env.setup_workspace(str(workspace))
     except Exception as exc:  # noqa: BLE001 - an environment that cannot even start
-        return _failed(rec, f"{type(exc).__name__}: {exc}", workspace)
+        return _failed(rec, f"{type(exc).__name__}: {exc}")
     keys = proxy.open_execution(rec)
-    log_path = workspace.parent / f"{workspace.name}.log"
-    child_env = {**os.environ, "OPENAI_BASE_URL": base_url, "OPENAI_API_KEY": keys.main,
-                 "GYRE_SUBAGENT_API_KEY": keys.sub_agent, "GYRE_MODEL": proxy.model_name, "GYRE_TASK": str(task),
-                 "GYRE_WORKSPACE": str(workspace)}
     status, code = STATUS_DONE, None
-    with open(log_path, "wb") as log:
-        try:
-            proc = subprocess.Popen(command, cwd=workspace, env=child_env, stdout=log, stderr=subprocess.STDOUT,
-                                    stdin=subprocess.DEVNULL, start_new_session=True)
-        except OSError as exc:
-            proxy.close_execution(rec.execution_id)
-            return _failed(rec, f"cannot start {command[0]!r}: {exc}", workspace, log_path)
-        exe = proxy.execution(rec.execution_id)
-        while (code := proc.poll()) is None:
-            if exe.limit_status is not None:
-                status = exe.limit_status
-                break
-            if h.wall_clock_s is not None and time.time() - rec.t_start > h.wall_clock_s:
-                status = STATUS_TIMEOUT
-                break
-            time.sleep(POLL_S)
-        if code is None:
-            _stop_group(proc)
-    closed = proxy.close_execution(rec.execution_id)
+    try:
+        with open(log_path, "wb") as log:
+            try:
+                proc = subprocess.Popen(command, cwd=workspace, stdout=log, stderr=subprocess.STDOUT,
+                                        stdin=subprocess.DEVNULL, start_new_session=True,
+                                        env=agent_env(h, base_url, keys, proxy.model_name, task, workspace))
+            except OSError as exc:
+                return _failed(rec, f"cannot start {command[0]!r}: {exc}")
+            try:
+                exe = proxy.execution(rec.execution_id)
+                while (code := proc.poll()) is None:
+                    if exe.limit_status is not None or (h.wall_clock_s is not None
+                                                        and time.time() - rec.t_start > h.wall_clock_s):
+                        break
+                    time.sleep(POLL_S)
+                # a limit it hit (also when it exited right after being refused), else the wall clock
+                status = exe.limit_status or (STATUS_TIMEOUT if code is None else STATUS_DONE)
+            finally:
+                _stop_group(proc)         # the leader, and whatever it left running in its group
+    finally:
+        closed = proxy.close_execution(rec.execution_id)
     if code not in (None, 0) and not rec.calls:
-        return _failed(rec, f"the agent exited with status {code} before any model call: {_tail(log_path)}",
-                       workspace, log_path)
+        return _failed(rec, f"the agent exited with status {code} before any model call: {_tail(log_path)}")
     rec.status = status
     rec.compactions = closed.summary_contexts()
     attempts = h.score_retries + 1
@@ -129,27 +152,35 @@ def run_one(cfg, proxy, base_url: str, command: list[str], spec, env) -> Executi
         except Exception as exc:  # noqa: BLE001 - an evaluator failure is not a zero
             last = exc
     else:
-        return _failed(rec, f"score failed after {attempts} attempts: {type(last).__name__}: {last}", workspace,
-                       log_path)
+        return _failed(rec, f"score failed after {attempts} attempts: {type(last).__name__}: {last}")
     if score is not None:
         rec.success, rec.partial = bool(score.success), float(score.partial)
-    _cleanup(workspace, log_path)
     rec.t_end = time.time()
     return rec
 
 
 def _stop_group(proc: subprocess.Popen) -> None:
-    """SIGTERM the agent's process group, SIGKILL it if still there after 5 s."""
-    for sig, wait in ((signal.SIGTERM, 5.0), (signal.SIGKILL, 5.0)):
+    """SIGTERM the agent's process group (its leader may have exited and left children running), SIGKILL
+    what is left after 5 s."""
+    try:
+        os.killpg(proc.pid, signal.SIGTERM)
+    except ProcessLookupError:
+        proc.wait()
+        return
+    deadline = time.time() + 5.0
+    while time.time() < deadline:
         try:
-            os.killpg(proc.pid, sig)
+            os.killpg(proc.pid, 0)          # anyone left in the group?
         except ProcessLookupError:
-            return
+            break
+        proc.poll()                         # reap the leader, or the group never empties
+        time.sleep(0.05)
+    else:
         try:
-            proc.wait(timeout=wait)
-            return
-        except subprocess.TimeoutExpired:
-            continue
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    proc.wait()
 
 
 def _tail(log_path: Path, n: int = 800) -> str:
@@ -159,13 +190,11 @@ def _tail(log_path: Path, n: int = 800) -> str:
         return "(no output)"
 
 
-def _failed(rec: ExecutionRecord, why: str, workspace: Path, log_path: Path | None = None) -> ExecutionRecord:
+def _failed(rec: ExecutionRecord, why: str) -> ExecutionRecord:
     rec.status, rec.error, rec.t_end = STATUS_FAILED, why[:2000], time.time()
-    _cleanup(workspace, log_path)
     return rec
 
 
-def _cleanup(workspace: Path, log_path: Path | None) -> None:
+def _cleanup(workspace: Path, log_path: Path) -> None:
     shutil.rmtree(workspace, ignore_errors=True)
-    if log_path is not None:
-        log_path.unlink(missing_ok=True)
+    log_path.unlink(missing_ok=True)

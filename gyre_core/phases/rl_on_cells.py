@@ -9,6 +9,7 @@ version as a finished step (lake part, MLflow metrics, `publish_` marker).
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import threading
@@ -21,7 +22,7 @@ from ..elastic.work import Report
 from ..run import CheckpointError, RunDir, publish_marker, step_part
 from ..ui import phase
 from .rl_step import task_groups
-from .run_objects import drop_engine, env_factory, policy_bundle, tracker, write_records
+from .run_objects import drop_engine, env_factory, policy_bundle, served_model_name, tracker, write_records
 
 
 def elastic_rl(run_dir: str, on_role=None, launcher=None) -> dict:
@@ -66,8 +67,11 @@ def elastic_rl(run_dir: str, on_role=None, launcher=None) -> dict:
             last[0] = now
             tick()
 
-        res = (run_elastic(cfg.elastic, work, on_version=published, on_role=on_role, launcher=launcher)
-               if start < cfg.rl.steps else None)
+        try:
+            res = (run_elastic(cfg.elastic, work, on_version=published, on_role=on_role, launcher=launcher)
+                   if start < cfg.rl.steps else None)
+        finally:
+            work.close()
     summary = {k: v for k, v in res.to_dict().items() if k != "decisions"} if res else {}
     summary["resumed_from"] = start
     if res is not None:
@@ -160,6 +164,13 @@ class HarnessWork:
         self.records: list = []
         self._groups: dict[str, list] = {}
         self._lock = threading.Lock()
+        self._proxy = None        # an external harness (harness.command): (proxy, server) in front of the router
+        self._stack = contextlib.ExitStack()
+
+    def close(self) -> None:
+        """Stop the proxy, if an external harness had one."""
+        self._proxy = None
+        self._stack.close()
 
     def cell_args(self) -> list[str]:
         cfg, rl = self.cfg, self.cfg.rl
@@ -189,7 +200,14 @@ class HarnessWork:
 
     def start_burst(self, s: int, router, report: Report) -> list[Callable[[], None]]:
         specs = [spec for group in task_groups(self.run, s) for spec in group]
-        policy_bundle(self.run)       # the tokenizer and chat format, loaded once before the threads share it
+        b = policy_bundle(self.run)   # the tokenizer and chat format, loaded once before the threads share it
+        if self.cfg.harness.command and self._proxy is None:   # one proxy for the phase, calls via the router
+            from ..proxy import open_proxy
+            from ..proxy.pool import RouterPool
+
+            self._proxy = self._stack.enter_context(open_proxy(
+                self.cfg, b.chat, b.stop_texts, RouterPool(router), self.cfg.rollout.temperature,
+                served_model_name(self.cfg)))
         return [functools.partial(self._execution, spec, router, report) for spec in specs]
 
     def _execution(self, spec, router, report: Report) -> None:
@@ -202,6 +220,13 @@ class HarnessWork:
         def finished(rec) -> None:
             router.release(rec.execution_id)
             self._finished(rec, report)
+
+        if self.cfg.harness.command:      # the external program, its calls through the proxy to the router
+            from ..harness.external import resolve_command, run_one
+
+            proxy, server = self._proxy
+            return finished(run_one(self.cfg, proxy, server.base_url, resolve_command(self.cfg.harness.command),
+                                    spec, env_factory(self.cfg, rollout=True)()))
 
         policy = RouterPolicy(router, self.cfg.rollout.temperature, self.cfg.harness.max_new_tokens)
         run_executions([spec], policy, self.cfg.harness, env_factory(self.cfg, rollout=True), b.chat, b.stop_texts, 1,

@@ -6,6 +6,8 @@
     pool.close_cell(0)                  # cell 0 leaves rollout: its calls continue on cell 1
     pool.open_cell(0); pool.release(key); pool.stop()
 
+    pool = RouterPool(router)           # the elastic phase's router to cell processes instead (same interface)
+
 Each cell is an engine (`gyre_core.engine`: local or vLLM) driven by one thread. A call is bound to the
 cell that served its context before (its K/V cache is there) while that cell is open, else to the open
 cell with the fewest calls. A cell's thread batches all its calls and generates `chunk_tokens` tokens of
@@ -44,7 +46,8 @@ class Job:
     logprobs: list[float] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
     moves: int = 0
-    cancelled: bool = False     # the caller went away: stop at the next round
+    cancelled: bool = False     # the caller went away (or its execution ended): dropped at the next round
+    owner: str = ""             # the execution it belongs to (the elastic router binds executions to cells)
     future: Future = field(default_factory=Future)
 
 
@@ -54,11 +57,29 @@ class _Cell:
         self.open = True
         self.queue: list[Job] = []
         self.running: list[Job] = []
+        self.releases: list[str] = []     # context keys whose cache the cell's thread drops between rounds
         self.rounds = 0
 
 
 class PoolStopped(RuntimeError):
     """The pool was stopped while a call waited."""
+
+
+class CallDropped(RuntimeError):
+    """The call was let go before it finished: its client went away, or its execution ended."""
+
+
+def resolve(job: Job, result: JobResult | None = None, exc: BaseException | None = None) -> None:
+    """Settle a job's future once; a future already settled (or cancelled by its waiter) is left alone."""
+    if job.future.done():
+        return
+    try:
+        if exc is not None:
+            job.future.set_exception(exc)
+        else:
+            job.future.set_result(result)
+    except Exception:  # noqa: BLE001 - settled meanwhile by its waiter's cancellation
+        pass
 
 
 class CellPool:
@@ -116,11 +137,13 @@ class CellPool:
             self._cv.notify_all()
 
     def release(self, key: str) -> None:
-        """A context is finished: the cell that holds its cache may drop it."""
+        """A context is finished: the cell that holds its cache drops it (on its own thread, between rounds:
+        an engine is driven by one thread)."""
         with self._cv:
             cell = self._affinity.pop(key, None)
-        if cell is not None:
-            self._cells[cell].engine.release(key)   # engines ignore unknown keys
+            if cell is not None:
+                self._cells[cell].releases.append(key)
+                self._cv.notify_all()
 
     def load(self) -> list[int]:
         """Calls bound to each cell (queued + running)."""
@@ -137,8 +160,7 @@ class CellPool:
                 c.queue = []
             self._cv.notify_all()
         for job in left:
-            if not job.future.done():
-                job.future.set_exception(PoolStopped("the proxy's engines were stopped"))
+            resolve(job, exc=PoolStopped("the proxy's engines were stopped"))
         for t in self._threads:
             t.join(timeout=30)
 
@@ -166,22 +188,29 @@ class CellPool:
 
         while True:
             with self._cv:
-                while not self._stopped and not (cell.open and cell.queue):
+                while not self._stopped and not cell.releases and not (cell.open and cell.queue):
                     self._cv.wait()
                 if self._stopped:
                     return
+                releases, cell.releases = cell.releases, []
                 batch, keys, rest = [], set(), []
-                for job in cell.queue:       # one call per context key per round (the engine's cache key)
+                for job in (cell.queue if cell.open else []):   # one call per context key per round (cache key)
                     if job.key in keys or len(batch) >= self.max_batch:
                         rest.append(job)
                     else:
                         batch.append(job)
                         keys.add(job.key)
-                cell.queue, cell.running = rest, batch
-            live = [j for j in batch if not j.cancelled]
+                if cell.open:
+                    cell.queue, cell.running = rest, batch
+            for key in releases:
+                cell.engine.release(key)      # engines ignore unknown keys
+            live = []
             for j in batch:
-                if j.cancelled:
-                    j.future.cancel()
+                # a waiter that gave up before the call started: drop it (once running, it cannot be cancelled)
+                if j.cancelled or (not j.future.running() and not j.future.set_running_or_notify_cancel()):
+                    resolve(j, exc=CallDropped("the call was let go"))
+                else:
+                    live.append(j)
             try:
                 reqs = [GenRequest(j.key, j.prompt_ids + j.ids, min(self.chunk_tokens, j.max_new_tokens - len(j.ids)),
                                    j.temperature) for j in live]
@@ -191,7 +220,7 @@ class CellPool:
                 with self._cv:
                     cell.running = []
                 for j in live:
-                    j.future.set_exception(exc)
+                    resolve(j, exc=exc)
                 continue
             cell.rounds += 1
             unfinished = []
@@ -207,7 +236,7 @@ class CellPool:
                         self._move(j)
                 if self._stopped:
                     for j in unfinished:
-                        j.future.set_exception(PoolStopped("the proxy's engines were stopped"))
+                        resolve(j, exc=PoolStopped("the proxy's engines were stopped"))
                 self._cv.notify_all()
 
     def _advance(self, job: Job, out, version: int) -> bool:
@@ -231,8 +260,52 @@ class CellPool:
                 job.cancelled = True
         if finish is None and not job.cancelled:
             return True
-        if job.cancelled and finish is None:
-            job.future.cancel()
+        if finish is None:
+            resolve(job, exc=CallDropped("the call was let go"))
         else:
-            job.future.set_result(JobResult(job.ids, job.logprobs, job.versions, finish, job.moves))
+            resolve(job, JobResult(job.ids, job.logprobs, job.versions, finish, job.moves))
         return False
+
+
+class RouterPool:
+    """The proxy's calls through the elastic phase's router (`gyre_core.elastic.router.Router`) to the cell
+    agents: the router binds each execution to a rollout cell (session affinity), and when a cell leaves
+    rollout it continues the execution's calls on another with the tokens so far, each token with the version
+    that made it. The cells report whole completions, so a streaming client gets a call in one piece; stop
+    texts are cut once it is back. Same interface as `CellPool` (`submit`, `release`, `stop`)."""
+
+    def __init__(self, router, max_calls: int = 1024) -> None:
+        from concurrent.futures import ThreadPoolExecutor
+
+        self.router, self.moves = router, 0
+        self._calls = ThreadPoolExecutor(max_workers=max_calls, thread_name_prefix="gyre-router-call")
+
+    def submit(self, job: Job) -> Job:
+        self._calls.submit(self._run, job)
+        return job
+
+    def _run(self, job: Job) -> None:
+        from ..elastic.messages import CallRequest
+
+        try:
+            out = self.router.call(job.owner, CallRequest(job.key, list(job.prompt_ids), job.max_new_tokens,
+                                                          job.temperature))
+        except BaseException as exc:  # noqa: BLE001 - the caller gets the router's error (e.g. the run ended)
+            resolve(job, exc=exc)
+            return
+        ids, logprobs, versions, finish = list(out.ids), list(out.logprobs), list(out.versions), out.finish_reason
+        if job.stop_at is not None and (keep := job.stop_at(ids)) is not None:
+            ids, logprobs, versions, finish = ids[:keep], logprobs[:keep], versions[:keep], "stop"
+        self.moves += out.reroutes
+        if job.on_tokens is not None and ids:
+            try:
+                job.on_tokens(ids)
+            except Exception:  # noqa: BLE001 - a gone client
+                pass
+        resolve(job, JobResult(ids, logprobs, versions, finish, out.reroutes))
+
+    def release(self, key: str) -> None:
+        self.router.forget(key)
+
+    def stop(self) -> None:
+        self._calls.shutdown(wait=False, cancel_futures=True)

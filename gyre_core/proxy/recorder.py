@@ -85,6 +85,7 @@ class Prepared:
     tools: list[dict] | None = None
     chain: list[bytes] | None = None     # hash of each message prefix of the request
     t_start: float = 0.0
+    declared: bool = False               # the role was declared by the request (X-Gyre-Role)
 
 
 def _canonical(msg: dict, known_tool_calls: dict[str, int]) -> str:
@@ -145,6 +146,7 @@ class ProxyExecution:
         self.record, self.limits = record, limits
         self.lock = threading.Lock()
         self.inflight = 0
+        self.jobs: set = set()                   # its calls being generated (let go when it ends)
         self.tokens_used = 0
         self.limit_status: str | None = None    # the limit it hit (the runner ends the harness)
         self.closed = False
@@ -171,6 +173,13 @@ class ProxyExecution:
     def leave(self) -> None:
         with self.lock:
             self.inflight -= 1
+
+    def close(self) -> list:
+        """Refuse further requests and calls; its jobs still generating, to be let go."""
+        with self.lock:
+            self.closed = True
+            jobs, self.jobs = list(self.jobs), set()
+        return jobs
 
     def _check_limits(self) -> None:
         lim, rec = self.limits, self.record
@@ -239,26 +248,40 @@ class ProxyExecution:
         return self._fresh(ids, _fields("prompt", *map(str, ids[:64])), key_role, declared_role, None, None, None)
 
     def _fresh(self, ids, first, key_role, declared_role, messages, tools, chain) -> Prepared:
+        """A new context's prompt; its index and role are given when it is submitted (`commit`), so a refused
+        request leaves no context behind."""
         with self.lock:
             parent = max(self._by_call.values(), key=lambda s: _common_prefix(s.ids, ids), default=None)
             shared = _common_prefix(parent.ids, ids) if parent is not None else 0
-            if declared_role is not None:
-                role = declared_role
-            else:
-                restart = any(r.split("-summary")[0] == key_role and f == first for r, f in self._contexts)
-                role = f"{key_role}-summary" if restart else key_role
-            context = len(self._contexts)
-            self._contexts.append((role, first))
-        return Prepared(ids, context, role, parent.call_index if shared else -1, shared, first, False, messages,
-                        tools, chain)
+        p = Prepared(ids, -1, declared_role or key_role, parent.call_index if shared else -1, shared, first, False,
+                     messages, tools, chain)
+        p.declared = declared_role is not None
+        return p
+
+    def commit(self, p: Prepared, job) -> None:
+        """The request is going to the engine: a new context gets its index and role (the declared one, or the
+        key's, `-summary` when an earlier context of that role began with the same first message), and the
+        job is the execution's until it finishes."""
+        with self.lock:
+            if self.closed:
+                raise ProxyError(400, "this execution has ended", code="execution_ended")
+            if p.context_index < 0:
+                if not p.declared and any(r.split("-summary")[0] == p.role and f == p.first for r, f in self._contexts):
+                    p.role = f"{p.role}-summary"
+                p.context_index = len(self._contexts)
+                self._contexts.append((p.role, p.first))
+            self.jobs.add(job)
+            self.context_keys.add(f"{self.record.execution_id}/c{p.context_index}")
 
     # -- the finished call ------------------------------------------------------------------------------
     def complete(self, p: Prepared, ids: list[int], logprobs: list[float], versions: list[int], finish_reason: str,
                  stopped_on: str | None, reply: str, tool_call_ids: list[str], tool_parse: str,
-                 tool_spans: list[list[int]], text: str, context_key: str) -> CallRecord:
+                 tool_spans: list[list[int]], text: str) -> CallRecord:
         """Record the call and keep it as a context later requests may extend (`reply`: the canonical
-        assistant message it answered with)."""
+        assistant message it answered with). An execution that has ended records nothing more."""
         with self.lock:
+            if self.closed:
+                raise ProxyError(400, "this execution has ended", code="execution_ended")
             rec = self.record
             call = CallRecord(
                 execution_id=rec.execution_id, call_index=len(rec.calls), context_index=p.context_index,
@@ -278,8 +301,11 @@ class ProxyExecution:
                 canon_reply = reply_canonical(reply, tool_call_ids)
                 last = p.chain[-1] if p.chain else b""
                 self._served[hashlib.blake2b(last + canon_reply.encode(), digest_size=16).digest()] = served
-            self.context_keys.add(context_key)
         return call
+
+    def done(self, job) -> None:
+        with self.lock:
+            self.jobs.discard(job)
 
     def note_drift(self, call: CallRecord, naive_ids: list[int]) -> None:
         """The ids a from-scratch render of the call's messages would have had (measured off the request path)."""

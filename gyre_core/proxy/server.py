@@ -92,8 +92,14 @@ def make_app(proxy, max_request_bytes: int, admin=None):
         log.error("proxy: %s on %s: %s", type(err).__name__, request.url.path, err)
         return _error_response(ProxyError(500, f"internal error ({type(err).__name__})", type="server_error"))
 
-    async def body_of(request: Request) -> dict:
-        raw = await request.body()
+    async def body_of(request: Request, empty: dict | None = None) -> dict:
+        """The JSON object of the body (`empty` where there is no body and that is allowed)."""
+        try:
+            raw = await request.body()
+        except _TooBig:
+            raise ProxyError(413, f"request body over {max_request_bytes} bytes", code="request_too_large") from None
+        if not raw and empty is not None:
+            return empty
         try:
             body = json.loads(raw or b"null")
         except ValueError as exc:
@@ -145,11 +151,10 @@ def make_app(proxy, max_request_bytes: int, admin=None):
             except Exception as exc:
                 raise _engine_error(exc) from None
             finally:
-                exe.leave()
+                proxy.end_call(call)
             return JSONResponse(proxy.chat_response(call, done) if kind == "chat" else proxy.text_response(call, done))
         call.job.future.add_done_callback(lambda f: loop.call_soon_threadsafe(q.put_nowait, None))
-        return StreamingResponse(_events(call, kind, q, body), media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache"})
+        return _Stream(_events(call, kind, q, body), lambda: proxy.end_call(call))
 
     async def _events(call, kind: str, q: asyncio.Queue, body: dict):
         chat = kind == "chat"
@@ -168,7 +173,6 @@ def make_app(proxy, max_request_bytes: int, admin=None):
 
         ids: list[int] = []
         sent = ""
-        exe = call.exe
         try:
             if chat:
                 yield chunk({"role": "assistant", "content": ""})
@@ -183,7 +187,7 @@ def make_app(proxy, max_request_bytes: int, admin=None):
                     sent = text
             try:
                 done = proxy.finish(call, call.job.future.result())
-            except Exception as exc:  # noqa: BLE001 - the engine failed: an error event ends the stream
+            except BaseException as exc:  # noqa: BLE001 - the engine failed: an error event ends the stream
                 err = exc if isinstance(exc, ProxyError) else _engine_error(exc)
                 yield f"data: {json.dumps(err.body())}\n\n"
                 return
@@ -201,20 +205,38 @@ def make_app(proxy, max_request_bytes: int, admin=None):
                 yield f"data: {json.dumps(payload)}\n\n"
             yield "data: [DONE]\n\n"
         finally:
-            call.job.cancelled = True     # a client that went away: the cell stops generating for it
-            exe.leave()
+            proxy.end_call(call)          # a client that went away: the cell stops generating for it
 
     if admin is not None:
         _admin_routes(app, admin, body_of)
     return _BodyLimit(app, max_request_bytes)
 
 
+class _Stream(StreamingResponse):
+    """A server-sent-event response that runs `cleanup` however it ends — also when the client was gone before
+    the first event (the body's generator then never starts, so its own `finally` never runs)."""
+
+    def __init__(self, events, cleanup) -> None:
+        super().__init__(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        self._cleanup = cleanup
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._cleanup()
+
+
 def _engine_error(exc: BaseException) -> ProxyError:
-    from .pool import PoolStopped
+    """What a client is told of a failed call: the kind of failure; the detail goes to the log only."""
+    from .pool import CallDropped, PoolStopped
 
     if isinstance(exc, PoolStopped):
-        return ProxyError(503, str(exc), type="server_error", code="engine_stopped")
-    return ProxyError(500, f"the engine failed: {type(exc).__name__}: {str(exc)[:300]}", type="server_error")
+        return ProxyError(503, "the proxy's engines are stopped", type="server_error", code="engine_stopped")
+    if isinstance(exc, CallDropped):
+        return ProxyError(400, "the call was let go (its execution ended)", code="execution_ended")
+    log.error("proxy: a call failed in the engine: %s: %s", type(exc).__name__, exc)
+    return ProxyError(500, f"the engine failed ({type(exc).__name__})", type="server_error")
 
 
 def _admin_routes(app, admin, body_of) -> None:
@@ -227,7 +249,7 @@ def _admin_routes(app, admin, body_of) -> None:
     @app.post("/gyre/executions")
     async def open_execution(request: Request):
         check(request)
-        return admin.open(await body_of(request) if int(request.headers.get("content-length") or 0) else {})
+        return admin.open(await body_of(request, empty={}))
 
     @app.get("/gyre/executions")
     async def list_executions(request: Request):
@@ -242,8 +264,7 @@ def _admin_routes(app, admin, body_of) -> None:
     @app.post("/gyre/executions/{execution_id:path}/end")
     async def end_execution(execution_id: str, request: Request):
         check(request)
-        body = await body_of(request) if int(request.headers.get("content-length") or 0) else {}
-        return await asyncio.to_thread(admin.end, execution_id, body)
+        return await asyncio.to_thread(admin.end, execution_id, await body_of(request, empty={}))
 
 
 class ProxyServer:

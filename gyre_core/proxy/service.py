@@ -1,6 +1,6 @@
 """The proxy's OpenAI semantics, apart from HTTP: executions and their keys, requests in, responses out.
 
-    proxy = Proxy(chat, stop_texts, pool, ProxyConfig(), limits, model_name="policy", temperature=1.0)
+    proxy = Proxy(chat, stop_texts, CellPool([engine]), ProxyConfig(), limits, model_name="policy", temperature=1.0)
     keys = proxy.open_execution(record)          # keys.main, keys.sub_agent: bearer tokens of this execution
     call = proxy.chat_call(key, role_header, body)   # validated, prompt prepared, job submitted
     ... call.job.future.result() ...                 # (server.py streams call.text deltas meanwhile)
@@ -45,6 +45,7 @@ class Call:
     stops: list[str]
     tool_names: set[str] | None     # tools the completion may call (None: none offered, or tool_choice none)
     logprobs: bool = False
+    ended: bool = False         # `Proxy.end_call` ran: the request no longer counts as in flight
     id: str = field(default_factory=lambda: uuid.uuid4().hex[:24])
     created: int = field(default_factory=lambda: int(time.time()))
 
@@ -61,8 +62,17 @@ class Proxy:
         self._drift_pending: dict[str, int] = {}
         self._drift_done = threading.Condition(self._lock)
         self.calls = 0
+        self._drift_thread = None
         if cfg.measure_drift:
-            threading.Thread(target=self._measure_drift, name="gyre-proxy-drift", daemon=True).start()
+            self._drift_thread = threading.Thread(target=self._measure_drift, name="gyre-proxy-drift", daemon=True)
+            self._drift_thread.start()
+
+    def close(self) -> None:
+        """Stop the drift thread (the pool is its owner's to stop)."""
+        if self._drift_thread is not None:
+            self._drift.put(None)
+            self._drift_thread.join(timeout=30)
+            self._drift_thread = None
 
     # -- executions ---------------------------------------------------------------------------------------
     def open_execution(self, record) -> Keys:
@@ -81,13 +91,15 @@ class Proxy:
             return self._executions[execution_id]
 
     def close_execution(self, execution_id: str, wait_s: float = 30.0) -> ProxyExecution:
-        """Refuse the execution's further requests, wait for those in flight and for its drift measures, drop
-        its keys and cached contexts; its record is then final."""
+        """Refuse the execution's further requests and let go of its calls still generating (they are not
+        recorded: the harness that asked is gone), wait for its requests to end and for its drift measures,
+        drop its keys and cached contexts; its record is then final."""
         with self._lock:
             exe = self._executions.pop(execution_id)
             for k in [k for k, (e, _) in self._keys.items() if e is exe]:
                 del self._keys[k]
-        exe.closed = True
+        for job in exe.close():
+            job.cancelled = True
         deadline = time.time() + wait_s
         while exe.inflight and time.time() < deadline:
             time.sleep(0.01)
@@ -161,13 +173,29 @@ class Proxy:
         if not isinstance(stops, list) or len(stops) > 4 or not all(isinstance(s, str) and s for s in stops):
             raise ProxyError(400, "'stop' must be a string or up to 4 non-empty strings", param="stop")
         temperature = self._temperature(body)
-        key = f"{exe.record.execution_id}/c{p.context_index}"
-        job = Job(key, p.prompt_ids, max_new, temperature, on_tokens=on_tokens,
-                  stop_at=self._stop_at(stops) if stops else None)
+        job = Job("", p.prompt_ids, max_new, temperature, on_tokens=on_tokens,
+                  stop_at=self._stop_at(stops) if stops else None, owner=exe.record.execution_id)
         call = Call(exe, kind, p, job, body.get("model") or self.model_name, stops, names,
                     logprobs=bool(body.get("logprobs")))
-        self.pool.submit(job)
+        exe.commit(p, job)                 # everything checked: a new context gets its index and role now
+        job.key = f"{exe.record.execution_id}/c{p.context_index}"
+        try:
+            self.pool.submit(job)
+        except BaseException:
+            exe.done(job)
+            raise
         return call
+
+    def end_call(self, call: Call) -> None:
+        """The request is over (answered, failed, or its client gone): it no longer counts as in flight, and a
+        call still generating is let go. Idempotent."""
+        if call.ended:
+            return
+        call.ended = True
+        if not call.job.future.done():
+            call.job.cancelled = True
+        call.exe.done(call.job)
+        call.exe.leave()
 
     def _temperature(self, body: dict) -> float:
         if self.cfg.sampling == "run" and self.temperature is not None:
@@ -182,14 +210,18 @@ class Proxy:
         return float(t)
 
     def _stop_at(self, stops: list[str]):
-        def stop_at(ids: list[int]) -> int | None:
+        def holds(ids: list[int]) -> bool:
             text = self._text(ids)
-            if not any(s in text for s in stops):
+            return any(s in text for s in stops)
+
+        def stop_at(ids: list[int]) -> int | None:
+            if not holds(ids):
                 return None
-            for k in range(1, len(ids) + 1):     # the fewest tokens whose text holds a stop string
-                if any(s in self._text(ids[:k]) for s in stops):
-                    return k
-            return None
+            lo, hi = 1, len(ids)                 # the fewest tokens whose text holds a stop string (bisection)
+            while lo < hi:
+                mid = (lo + hi) // 2
+                lo, hi = (lo, mid) if holds(ids[:mid]) else (mid + 1, hi)
+            return lo
         return stop_at
 
     # -- responses ----------------------------------------------------------------------------------------
@@ -241,8 +273,7 @@ class Proxy:
         record = exe.complete(call.prepared, ids, result.logprobs, result.versions, result.finish_reason, stopped_on,
                               content or "", [t["id"] for t in tool_calls], tool_parse, spans,
                               self.tok.decode(call.prepared.prompt_ids + ids, skip_special_tokens=False)
-                              if call.kind == "text" else "",
-                              call.job.key)
+                              if call.kind == "text" else "")
         with self._lock:
             self.calls += 1
         if self.cfg.measure_drift and call.prepared.extends and call.prepared.messages is not None:
@@ -276,15 +307,16 @@ class Proxy:
 
     # -- the drift a naive re-render would have had --------------------------------------------------------
     def _measure_drift(self) -> None:
-        while True:
-            exe, record, messages, tools = self._drift.get()
+        while (item := self._drift.get()) is not None:
+            exe, record, messages, tools = item
             try:
                 exe.note_drift(record, self.chat.render(messages, tools))
             except Exception:  # noqa: BLE001 - a measure, never a failure of the call
                 pass
             with self._drift_done:
                 eid = exe.record.execution_id
-                self._drift_pending[eid] = self._drift_pending.get(eid, 1) - 1
+                if eid in self._drift_pending:      # (an execution closed meanwhile has no entry left)
+                    self._drift_pending[eid] -= 1
                 self._drift_done.notify_all()
 
 

@@ -29,6 +29,7 @@ class StandaloneAdmin:
         self._seq = itertools.count(len(lake.parts(run_id)) if lake is not None else 0)
         self._lock = threading.Lock()
         self._open: dict[str, ExecutionRecord] = {}
+        self._ended: dict = {}        # closed at the proxy, its lake write failed: (record, its ProxyExecution)
 
     def authorized(self, authorization: str | None) -> bool:
         given = authorization[7:].strip() if authorization and authorization[:7].lower() == "bearer " else ""
@@ -61,33 +62,47 @@ class StandaloneAdmin:
         return _summary(rec)
 
     def end(self, execution_id: str, body: dict) -> dict:
+        """Close the execution with the caller's scores and write it to the lake. A bad body changes nothing;
+        a failed write leaves it to be ended again (its calls are kept)."""
+        status, reward, success, partial = _scores(body)
         with self._lock:
             rec = self._open.pop(execution_id, None)
-        if rec is None:
+            ended = self._ended.pop(execution_id, None)     # closed before, its write failed
+        if rec is None and ended is None:
             raise ProxyError(404, f"no open execution {execution_id!r}", type="not_found_error")
-        try:
-            status = body.get("status", STATUS_DONE)
-            if status not in STATUSES:
-                raise ProxyError(400, f"status must be one of {', '.join(STATUSES)}", param="status")
-            reward = body.get("reward", 0.0)
-            if not isinstance(reward, (int, float)) or isinstance(reward, bool):
-                raise ProxyError(400, "reward must be a number", param="reward")
-        except ProxyError:
-            with self._lock:
-                self._open[execution_id] = rec      # nothing lost: it can be ended again
-            raise
-        exe = self.proxy.close_execution(execution_id)
-        rec.status, rec.reward = status, float(reward)
-        rec.success = bool(body.get("success", False))
-        rec.partial = float(body.get("partial", 1.0 if rec.success else 0.0))
+        rec, exe = ended if ended is not None else (rec, self.proxy.close_execution(execution_id))
+        rec.status, rec.reward, rec.success, rec.partial = status, reward, success, partial
         rec.compactions = exe.summary_contexts()
         rec.error = str(body.get("error", ""))[:2000]
         if self.lake is not None:
             from ..lake.schema import calls_table, executions_table
 
             part = f"proxy-{execution_id.rsplit('/x', 1)[1]}"
-            self.lake.write_part(self.run_id, part, {"executions": executions_table([rec]), "calls": calls_table([rec])})
+            try:
+                self.lake.write_part(self.run_id, part, {"executions": executions_table([rec]),
+                                                         "calls": calls_table([rec])})
+            except Exception as exc:
+                with self._lock:
+                    self._ended[execution_id] = (rec, exe)
+                raise ProxyError(500, f"could not write the execution to the lake ({type(exc).__name__}); end it "
+                                 "again to retry", type="server_error", code="lake_write_failed") from None
         return {**_summary(rec), "drift_prevented": exe.drift_prevented, "written": self.lake is not None}
+
+
+def _scores(body: dict) -> tuple[str, float, bool, float]:
+    """(status, reward, success, partial) from an /end body, each checked."""
+    status = body.get("status", STATUS_DONE)
+    if status not in STATUSES:
+        raise ProxyError(400, f"status must be one of {', '.join(STATUSES)}", param="status")
+    reward, success = body.get("reward", 0.0), body.get("success", False)
+    if not isinstance(reward, (int, float)) or isinstance(reward, bool):
+        raise ProxyError(400, "reward must be a number", param="reward")
+    if not isinstance(success, bool):
+        raise ProxyError(400, "success must be true or false", param="success")
+    partial = body.get("partial", 1.0 if success else 0.0)
+    if not isinstance(partial, (int, float)) or isinstance(partial, bool) or not 0.0 <= partial <= 1.0:
+        raise ProxyError(400, "partial must be a number in [0, 1]", param="partial")
+    return status, float(reward), success, float(partial)
 
 
 def _summary(rec: ExecutionRecord) -> dict:
@@ -104,6 +119,7 @@ def serve(cfg, run_id: str, stop: threading.Event, ready=None) -> None:
     from ..model import load_policy
     from ..phases.run_objects import PolicyBundle, served_model_name
     from . import open_proxy
+    from .pool import CellPool
 
     if not cfg.model.path:
         raise ValueError("gyre proxy serves a model directory: set model.path (e.g. --set model.path=DIR)")
@@ -115,8 +131,8 @@ def serve(cfg, run_id: str, stop: threading.Event, ready=None) -> None:
     admin = StandaloneAdmin(cfg.proxy.admin_token or secrets.token_urlsafe(24), run_id, lake)
     temperature = cfg.rollout.temperature if cfg.proxy.sampling == "run" else None
     try:
-        with open_proxy(cfg, bundle.chat, bundle.stop_texts, [bundle.engine], temperature, served_model_name(cfg),
-                        admin=admin) as (proxy, server):
+        with open_proxy(cfg, bundle.chat, bundle.stop_texts, CellPool([bundle.engine], cfg.proxy.chunk_tokens),
+                        temperature, served_model_name(cfg), admin=admin) as (proxy, server):
             admin.proxy, admin.base_url = proxy, server.base_url
             if ready is not None:
                 ready(server, admin)

@@ -85,6 +85,7 @@ def serving(tok, engines, limits=None, **cfg):
         yield proxy, server
     finally:
         server.stop()
+        proxy.close()
         pool.stop()
 
 
@@ -270,3 +271,71 @@ def test_a_proxy_off_loopback_needs_a_token():
     with pytest.raises(ValueError, match="admin_token"):
         ProxyConfig(host="0.0.0.0")
     assert ProxyConfig(host="0.0.0.0", admin_token="t").host == "0.0.0.0"
+
+
+def test_ending_an_execution_lets_go_of_its_call_in_flight(tok):
+    gate = threading.Event()
+    with serving(tok, [ScriptedEngine(tok, ["never recorded"], gate=gate)]) as (proxy, server):
+        rec, keys = open_exe(proxy)
+        errors = []
+
+        def ask():
+            try:
+                client(server, keys.main).chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x"}])
+            except openai.APIStatusError as exc:
+                errors.append(exc)
+
+        t = threading.Thread(target=ask)
+        t.start()
+        exe = proxy.execution(rec.execution_id)
+        while not exe.jobs:
+            pass
+        closer = threading.Thread(target=proxy.close_execution, args=(rec.execution_id,))
+        closer.start()
+        while not exe.closed:
+            pass
+        gate.set()                     # the engine answers; the execution has ended meanwhile
+        t.join(30)
+        closer.join(30)
+    assert rec.calls == [] and exe.inflight == 0
+    assert len(errors) == 1 and errors[0].body["code"] == "execution_ended"
+
+
+class EnvProbe(ArithmeticToolEnv):
+    """Its workspace check reads what the agent program saw of its environment."""
+
+    seen: dict = {}
+
+    def score_workspace(self, path):
+        from pathlib import Path
+
+        EnvProbe.seen = json.loads(Path(path, "env.json").read_text())
+        return super().score_workspace(path)
+
+
+def test_an_external_program_gets_its_endpoint_not_gyres_secrets_and_its_group_is_stopped(tok, monkeypatch, tmp_path):
+    from pathlib import Path
+
+    from gyre_core.config import load_config
+    from gyre_core.harness.external import run_one
+    from gyre_core.harness.loop import ExecutionSpec
+
+    monkeypatch.setenv("GYRE_TEST_SECRET", "s3cret")
+    monkeypatch.setenv("GYRE_TEST_PASSED", "ok")
+    pidfile = tmp_path / "child.pid"
+    program = ("import os, json, subprocess, sys; json.dump(dict(os.environ), open('env.json', 'w')); "
+               f"p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(300)']); "
+               f"open({str(pidfile)!r}, 'w').write(str(p.pid))")
+    cfg = load_config("proxy-smoke", ["harness.pass_env=[GYRE_TEST_PASSED]"])
+    cfg.harness.command = ["python", "-c", program]
+    with serving(tok, [ScriptedEngine(tok, ["a"])]) as (proxy, server):
+        rec = run_one(cfg, proxy, server.base_url, ["python", "-c", program],
+                      ExecutionSpec("r", 0, "r/e0", "t0", 3, "train"), EnvProbe())
+    seen = EnvProbe.seen
+    assert rec.status == "done" and rec.calls == []
+    assert seen["OPENAI_BASE_URL"] == server.base_url and seen["OPENAI_API_KEY"].startswith("gyre-")
+    assert seen["GYRE_TASK"].startswith("What is") and seen["GYRE_TEST_PASSED"] == "ok"
+    assert "GYRE_TEST_SECRET" not in seen and "PATH" in seen
+    # the background child it left running was stopped with it: gone, or dead and not yet reaped (a zombie)
+    stat = Path(f"/proc/{int(pidfile.read_text())}/stat")
+    assert not stat.exists() or stat.read_text().rsplit(")", 1)[1].split()[0] == "Z"

@@ -312,3 +312,35 @@ def test_vllm_cells_abort_reroute_and_keep_exact_versions(tmp_path):
                     assert max(abs(r - lp) for r, lp in mine) < 1e-3
                 checked += 1
     assert checked >= 40
+
+
+def test_an_external_harness_on_real_cells_through_the_router(tmp_path):
+    """`proxy-smoke` on two real cells: every execution is examples/openai_agent.py, its calls through the proxy
+    and the elastic router to the cell agents; each token's log-prob is that of its recorded version."""
+    from gyre_core.phases.run_objects import read_records
+
+    cfg = load_config("proxy-smoke", [
+        f"run.out_root={tmp_path}/runs", f"lake.root={tmp_path}/lake", f"tracking.uri=sqlite:///{tmp_path}/m.db",
+        "elastic.enabled=true", "elastic.mode=real", "elastic.cells=2", "elastic.policy=elastic",
+        "elastic.micro_step_executions=2", "elastic.max_staleness=1", "elastic.capacity=4",
+        "rl.steps=2", "rl.lr=3e-3", "eval.episodes=4", "eval.greedy_episodes=0"])
+    run_dir = phases.prepare(cfg)
+    phases.warm_start(run_dir)
+    summary = phases.elastic_rl(run_dir)
+    run = RunDir.open(run_dir)
+    assert run.latest_version() == 2 and summary["dead_cells"] == []
+    model, _ = load_policy(str(run.warm))
+    checked = 0
+    for s in range(2):
+        recs = read_records(run, f"step={s}")
+        assert len(recs) == 8 and all(r.status == "done" for r in recs), [r.error for r in recs]
+        assert {c.role for r in recs for c in r.calls} >= {"sub-agent", "main"}
+        calls = [c for r in recs for c in r.calls]
+        assert all(max(0, s - 1) <= v <= s for c in calls for v in c.versions)
+        for v in {c.versions[0] for c in calls if c.versions}:
+            model.load_state_dict(load_weights(run.weights_uri(v)), strict=False)
+            for c in [c for c in calls if c.versions and set(c.versions) == {v}][:6]:
+                ref = _logprobs(model, c.prompt_ids, c.completion_ids, cfg.rollout.temperature)
+                assert max(abs(a - b) for a, b in zip(ref, c.logprobs)) < 1e-4
+                checked += 1
+    assert checked >= 6

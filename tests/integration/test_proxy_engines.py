@@ -24,6 +24,7 @@ from gyre_core.harness.loop import ExecutionSpec
 from gyre_core.model import build_tiny_model, stop_token_ids, train_tokenizer
 from gyre_core.processor.tree import build_forest
 from gyre_core.proxy import open_proxy
+from gyre_core.proxy.pool import CellPool
 
 from bench.proxy import LoggedEngine, engine_index, generated
 from examples.openai_agent import HELPER_SYSTEM, SYSTEM, TOOLS
@@ -45,7 +46,7 @@ def test_a_cell_leaving_rollout_mid_stream_is_invisible_to_clients(tiny):
     cells = [LoggedEngine(LocalEngine(copy.deepcopy(model), [never], version=v, seed=v)) for v in (0, 1)]
     n, got, errors = 6, {}, []
     first_chunk = threading.Barrier(n + 1)
-    with open_proxy(cfg, ChatFormat(tok), {}, cells, 1.0) as (proxy, server):
+    with open_proxy(cfg, ChatFormat(tok), {}, CellPool(cells, cfg.proxy.chunk_tokens), 1.0) as (proxy, server):
         from gyre_core.records import ExecutionRecord
 
         recs = [ExecutionRecord("r", 0, f"r/e{i}", f"t{i}", i, "train", "x") for i in range(n)]
