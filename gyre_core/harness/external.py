@@ -160,26 +160,21 @@ def _run_one(cfg, proxy, base_url: str, command: list[str], spec, env, workspace
 
 
 def _stop_group(proc: subprocess.Popen) -> None:
-    """SIGTERM the agent's process group (its leader may have exited and left children running), SIGKILL
-    what is left after 5 s."""
+    """SIGTERM the agent's process group (its leader may have exited and left children running); SIGKILL the
+    group once the leader is gone or after 5 s."""
     try:
         os.killpg(proc.pid, signal.SIGTERM)
-    except ProcessLookupError:
+    except ProcessLookupError:      # nobody left in the group
         proc.wait()
         return
-    deadline = time.time() + 5.0
-    while time.time() < deadline:
-        try:
-            os.killpg(proc.pid, 0)          # anyone left in the group?
-        except ProcessLookupError:
-            break
-        proc.poll()                         # reap the leader, or the group never empties
-        time.sleep(0.05)
-    else:
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+    try:
+        proc.wait(timeout=5.0)
+    except subprocess.TimeoutExpired:
+        pass
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
     proc.wait()
 
 

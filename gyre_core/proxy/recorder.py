@@ -132,11 +132,16 @@ def _chain(seed: str, canon: list[str]) -> list[bytes]:
 
 
 def _common_prefix(a: list[int], b: list[int]) -> int:
+    """Length of the longest common prefix, by bisection over C-level slice comparisons (a long execution's
+    contexts are compared with every new one)."""
     n = min(len(a), len(b))
-    i = 0
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i
+    if a[:n] == b[:n]:
+        return n
+    lo, hi = 0, n                  # a[:lo] == b[:lo], a[:hi] != b[:hi]
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if a[:mid] == b[:mid] else (lo, mid)
+    return lo
 
 
 class ProxyExecution:

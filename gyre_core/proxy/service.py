@@ -1,6 +1,6 @@
 """The proxy's OpenAI semantics, apart from HTTP: executions and their keys, requests in, responses out.
 
-    proxy = Proxy(chat, stop_texts, CellPool([engine]), ProxyConfig(), limits, model_name="policy", temperature=1.0)
+    proxy = Proxy(chat, stop_texts, pool, ProxyConfig(), limits, model_name="policy", temperature=1.0)   # pool: pool.py
     keys = proxy.open_execution(record)          # keys.main, keys.sub_agent: bearer tokens of this execution
     call = proxy.chat_call(key, role_header, body)   # validated, prompt prepared, job submitted
     ... call.job.future.result() ...                 # (server.py streams call.text deltas meanwhile)
@@ -23,7 +23,7 @@ import uuid
 from dataclasses import dataclass, field
 
 from ..harness.tools import PARSE_OK, parse_tool_calls, token_spans
-from .pool import CellPool, Job, JobResult
+from .pool import Job, JobResult
 from .recorder import Limits, Prepared, ProxyError, ProxyExecution, check_role
 
 
@@ -51,7 +51,7 @@ class Call:
 
 
 class Proxy:
-    def __init__(self, chat, stop_texts: dict[int, str], pool: CellPool, cfg, limits: Limits, *, model_name: str,
+    def __init__(self, chat, stop_texts: dict[int, str], pool, cfg, limits: Limits, *, model_name: str,
                  temperature: float | None) -> None:
         self.chat, self.tok, self.stop_texts, self.pool, self.cfg = chat, chat.tokenizer, stop_texts, pool, cfg
         self.limits, self.model_name, self.temperature = limits, model_name, temperature
