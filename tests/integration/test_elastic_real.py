@@ -128,7 +128,9 @@ def test_real_cells_train_with_exact_per_token_versions(tmp_path, channel):
         changed.append(any(not torch.equal(weights[v][k], weights[v - 1][k]) for k in weights[v]))
         if _signal(cfg, records[v - 1]):
             assert changed[-1], v
-    assert changed[0]
+    # some update was real (which bursts carry a signal depends on what the cells sampled, and that on how the
+    # scheduler batched the calls: burst 0 alone had none in one run of the whole suite)
+    assert any(changed)
 
     # every token: a version the staleness bound allows for its burst, and its behaviour log-prob is what
     # that version's weights assign (recomputed without the engine's KV cache)
