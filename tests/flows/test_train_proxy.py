@@ -12,7 +12,7 @@ from gyre_core.trainer.publish import load_weights
 def test_proxy_smoke_trains_an_unmodified_openai_sdk_agent(tmp_path):
     overrides = [f"run.out_root={tmp_path}/runs", f"lake.root={tmp_path}/lake", f"tracking.uri=sqlite:///{tmp_path}/mlflow.db",
                  "run.name=proxyflow", "rl.steps=1", "rollout.tasks_per_step=4", "eval.episodes=4",
-                 "eval.greedy_episodes=0", "eval.control=false"]
+                 "eval.greedy_episodes=0", "eval.control=false", "warmstart.episodes=8", "warmstart.steps=2"]
     summary = train(preset="proxy-smoke", overrides=overrides)
     assert summary["rl_steps"] == 1
     con = connect(str(tmp_path / "lake"), run_id="proxyflow")
