@@ -29,5 +29,14 @@ for arg in "$@"; do
   esac
 done
 .venv/bin/python -m pip install -q -e ".${extra}"
+# bubblewrap: the sandbox every coding-environment command runs in (gyre_core/sandbox.py), from Debian.
+if ! command -v bwrap >/dev/null 2>&1; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+    apt-get install -y -q bubblewrap >/dev/null 2>&1 || { apt-get update -q >/dev/null 2>&1 && apt-get install -y -q bubblewrap >/dev/null 2>&1; } \
+      || echo "install.sh: could not install bubblewrap (apt-get); the sandbox needs it" >&2
+  else
+    echo "install.sh: bubblewrap (bwrap) is missing; the sandbox needs it: sudo apt-get install bubblewrap" >&2
+  fi
+fi
 [ "$vllm" = 1 ] && bash scripts/install_vllm.sh
 echo "installed: $(.venv/bin/gyre --help >/dev/null && echo .venv/bin/gyre)"
