@@ -11,6 +11,7 @@
     gyre lake retain --days D [--keep RUN ...] [--dry-run] [--run RUN] [--lake ROOT]
     gyre up [--prefect-port 4200] [--mlflow-port 5000] [--devices 0,1 ...]    /    gyre down
     gyre worker --pool gyre --queue rollout [--queue train] [--devices 0,1] [--name N] [--dry-run]
+    gyre tasks build (--source DIR | --sdist NAME==VER) --tests FILE --module FILE [...] --out TASKS.json
     gyre proxy [--preset P] [--set model.path=DIR ...] [--name RUN]    (the recording OpenAI-compatible proxy on its own)
     gyre bench engine [--json]
     gyre bench processor [--json] [--quick]
@@ -32,6 +33,7 @@ import argparse
 import json
 import os
 import sys
+from pathlib import Path
 
 
 def _env_defaults() -> None:
@@ -279,6 +281,45 @@ def cmd_worker(args) -> int:
                       dry_run=args.dry_run, limit=args.limit)
 
 
+def cmd_tasks(args) -> int:
+    """Coding tasks from a package with a test suite (`gyre_core.envs.coding.tasks`)."""
+    import tempfile
+
+    from gyre_core.envs.coding.tasks import PackageSource, build_tasks, fetch_sdist, save_tasks
+    from gyre_core.sandbox import SandboxError
+
+    if bool(args.source) == bool(args.sdist):
+        print("gyre tasks build: give exactly one of --source DIR, --sdist NAME==VERSION", file=sys.stderr)
+        return 2
+    with tempfile.TemporaryDirectory(prefix="gyre-sdist-") as tmp:
+        try:
+            root = fetch_sdist(args.sdist, tmp) if args.sdist else args.source
+            src = PackageSource.of(root, args.tests, args.module, args.name or "")
+            for rel in [src.test_path, *src.modules]:
+                if not (Path(src.root) / rel).is_file():
+                    raise ValueError(f"{rel}: no such file in {src.root}")
+            def progress(done: int, total: int) -> None:
+                print(f"\rgyre tasks build: {src.name}: candidate {done}/{total}", end="", file=sys.stderr, flush=True)
+
+            tasks, stats = build_tasks(src, per_function=args.per_function, heldout_share=args.heldout_share,
+                                       progress=progress)
+            print(file=sys.stderr)
+        except (ValueError, SandboxError) as exc:
+            print(f"gyre tasks build: {exc}", file=sys.stderr)
+            return 2
+        if args.sdist:       # an sdist's tree goes away with the temporary directory: keep it beside the tasks
+            import shutil
+
+            keep = Path(args.out).with_suffix("") / Path(src.root).name
+            shutil.copytree(src.root, keep, dirs_exist_ok=True)
+            src.root = str(keep)
+        save_tasks(args.out, src, tasks, stats)
+    split = {s: sum(t.split == s for t in tasks) for s in ("train", "heldout")}
+    print(f"{stats.kept} tasks kept of {stats.candidates} candidates ({split['train']} train, {split['heldout']} held out; "
+          f"rejected: {stats.rejected}) -> {args.out}")
+    return 0
+
+
 def cmd_proxy(args) -> int:
     """The recording proxy in front of `model.path` until Ctrl-C; ended executions go to the lake."""
     import threading
@@ -519,6 +560,17 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("--json", action="store_true", help="one line of JSON")
     b.add_argument("--quick", action="store_true", help="fewer repetitions and a smaller workload")
     b.set_defaults(fn=cmd_bench)
+    tk = sub.add_parser("tasks", help="coding tasks: build them from a package with a test suite")
+    tk.add_argument("action", choices=("build",))
+    tk.add_argument("--source", default=None, help="the package's source directory")
+    tk.add_argument("--sdist", default=None, help="or a requirement whose sdist pip fetches, e.g. inflection==0.5.1")
+    tk.add_argument("--tests", required=True, help="its test file, relative to the source root")
+    tk.add_argument("--module", action="append", required=True, help="a file whose functions become tasks (repeat)")
+    tk.add_argument("--out", required=True, help="the task set to write (JSON): env.kwargs.tasks=<it>")
+    tk.add_argument("--name", default=None)
+    tk.add_argument("--per-function", type=int, default=3, help="fix tasks kept per function")
+    tk.add_argument("--heldout-share", type=float, default=0.3, help="the share of functions held out")
+    tk.set_defaults(fn=cmd_tasks)
     px = sub.add_parser("proxy", help="the recording OpenAI-compatible proxy in front of a model, until Ctrl-C")
     px.add_argument("--preset", default="default")
     px.add_argument("--set", action="append", metavar="KEY=VALUE",

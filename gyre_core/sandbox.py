@@ -81,6 +81,10 @@ def bwrap_path() -> str:
     return path
 
 
+# `python` is Gyre's (its virtual environment first), then the system's tools
+SANDBOX_PATH = f"{Path(sys.prefix) / 'bin'}:{Path(sys.base_prefix) / 'bin'}:/usr/local/bin:/usr/bin:/bin"
+
+
 def python_dirs() -> set[str]:
     """Gyre's Python: its installation and its virtual environment (real paths), so that commands run Python
     with the packages Gyre has (pytest for a test runner)."""
@@ -118,7 +122,7 @@ class Sandbox:
             args += ["--ro-bind", path, path]
         args += ["--size", str(self.limits.tmp_mb << 20), "--tmpfs", "/tmp", "--bind", str(self.workspace), MOUNT,
                  "--dev", "/dev", "--proc", "/proc", "--chdir", MOUNT, "--clearenv"]
-        env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": MOUNT, "LANG": "C.UTF-8", "TMPDIR": "/tmp",
+        env = {"PATH": SANDBOX_PATH, "HOME": MOUNT, "LANG": "C.UTF-8", "TMPDIR": "/tmp",
                "PYTHONDONTWRITEBYTECODE": "1", **self.env}
         for k, v in env.items():
             args += ["--setenv", k, v]

@@ -215,7 +215,28 @@ def _check_invalid_action(env: Any, seeds: tuple[int, ...], steps: int) -> list[
     return out
 
 
+def _expert_tool_calls(env: Any, action: str, tools: set[str]) -> str | None:
+    """An expert action that is tool calls (the harness's format): run them as the harness would. None: not
+    tool calls; "": ran; else what went wrong."""
+    from gyre_core.harness.tools import PARSE_MALFORMED, PARSE_NONE, parse_tool_calls
+
+    parsed = parse_tool_calls(action, tools)
+    if parsed.status == PARSE_NONE:
+        return None
+    if parsed.status == PARSE_MALFORMED:
+        return f"a malformed tool call ({parsed.error})"
+    for c in parsed.calls:
+        try:
+            env.call_tool(c.name, c.arguments)
+        except Exception as exc:  # noqa: BLE001 - the expert's own call must work
+            return f"its call of {c.name} raised {type(exc).__name__}: {exc}"
+    return ""
+
+
 def _check_expert(env: Any, seeds: tuple[int, ...], steps: int) -> list[str]:
+    """The expert's actions are action words (or, for an env with tools, tool calls in the harness's format,
+    which must run), and scores stay in range along its episodes."""
+    tools = {t["function"]["name"] for t in env.tools()} if supports(env, "tools") else None
     out: list[str] = []
     for seed in seeds:
         env.reset(seed)
@@ -223,6 +244,10 @@ def _check_expert(env: Any, seeds: tuple[int, ...], steps: int) -> list[str]:
             action = env.expert_action()
             if action is None:
                 break
+            if tools is not None and (called := _expert_tool_calls(env, action, tools)) is not None:
+                if called:
+                    return [f"expert_action(): {called}"]
+                continue
             if action not in env.actions:
                 return [f"expert_action() returned {action!r}, not one of actions or None"]
             res = env.step(action)
