@@ -22,6 +22,7 @@
     gyre bench channel [--json]       (satellites' gradients: process-group reduce vs arrays relayed)
     gyre bench gpu [--json]           (where torch sees a GPU: the GPU path against CPU references)
     gyre bench proxy [--json] [--quick]   (proxy overhead, 256 executions at once, fidelity, a switch mid-stream)
+    gyre bench coding [--json] [--quick]  (task yield, expert and random, hostile commands, executions per minute)
     gyre sim [--profile laptop|paper-122b|paper-2.4t] [--set k=8 ...] [--policy all] [--async-split best] [--json]
     gyre presets
 
@@ -408,6 +409,10 @@ def _run_bench(args):
         from bench.proxy import bench_proxy
 
         result = bench_proxy(quick=args.quick)
+    elif args.what == "coding":
+        from bench.coding import bench_coding
+
+        result = bench_coding(quick=args.quick)
     elif args.what == "gpu":
         import torch
 
@@ -556,7 +561,7 @@ def main(argv: list[str] | None = None) -> int:
     wk.set_defaults(fn=cmd_worker)
     b = sub.add_parser("bench", help="benchmarks that print figures")
     b.add_argument("what", choices=("engine", "processor", "elastic", "lake", "prefect", "cells", "channel", "gpu",
-                                    "proxy"))
+                                    "proxy", "coding"))
     b.add_argument("--json", action="store_true", help="one line of JSON")
     b.add_argument("--quick", action="store_true", help="fewer repetitions and a smaller workload")
     b.set_defaults(fn=cmd_bench)
