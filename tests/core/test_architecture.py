@@ -43,6 +43,8 @@ def modules(root: Path, package: str) -> dict[str, Module]:
     out = {}
     for path in sorted((root / package).rglob("*.py")):
         parts = list(path.relative_to(root).with_suffix("").parts)
+        if not all(p.isidentifier() for p in parts):     # data, not modules: e.g. a coding task's package source
+            continue
         is_package = parts[-1] == "__init__"
         if is_package:
             parts.pop()

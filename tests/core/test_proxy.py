@@ -179,15 +179,15 @@ def test_contexts_roles_and_branches_form_from_what_the_harness_did(tok):
         main.chat.completions.create(model="tiny", messages=[{"role": "system", "content": "other"},
                                                              {"role": "user", "content": "x"}],
                                      extra_headers={"X-Gyre-Role": "sub-agent"})         # call 4: declared
-        # a history the harness rewrote (its first answer edited): a new context of the main agent, which
-        # restarts from the same system message (so `main-summary`), branching off the shared prefix
+        # a history the harness rewrote (its first answer edited): a new context, a branch of context 0 in its role
+        # (the first call's messages, then another answer than its reply), off the shared prefix
         edited = [sys_, {"role": "user", "content": "task"}, {"role": "assistant", "content": "ONE"},
                   {"role": "user", "content": "go on"}]
         main.chat.completions.create(model="tiny", messages=edited)                      # call 5
         proxy.close_execution(rec.execution_id)
     c = rec.calls
     assert [(x.context_index, x.role) for x in c] == [(0, "main"), (0, "main"), (1, "sub-agent"), (2, "main-summary"),
-                                                      (3, "sub-agent"), (4, "main-summary")]
+                                                      (3, "sub-agent"), (4, "main")]
     assert c[1].parent_call == 0 and c[1].prefix_len == len(c[0].prompt_ids) + len(c[0].completion_ids)
     # fresh contexts name the earlier call they share the most leading tokens with
     for x in (c[3], c[5]):
