@@ -236,7 +236,8 @@ def _expert_tool_calls(env: Any, action: str, tools: set[str]) -> str | None:
 def _check_expert(env: Any, seeds: tuple[int, ...], steps: int) -> list[str]:
     """The expert's actions are action words (or, for an env with tools, tool calls in the harness's format,
     which must run), and scores stay in range along its episodes."""
-    tools = {t["function"]["name"] for t in env.tools()} if supports(env, "tools") else None
+    tools = ({t["function"]["name"] for t in env.tools() if isinstance(t, dict) and isinstance(t.get("function"), dict)
+              and isinstance(t["function"].get("name"), str)} if supports(env, "tools") else None)
     out: list[str] = []
     for seed in seeds:
         env.reset(seed)

@@ -52,6 +52,7 @@ TOOLS = [
 
 class CodingEnv:
     def __init__(self, tasks: str = "inflection", heldout_from: int = HELDOUT_FROM, command_s: float = 30.0) -> None:
+        self.workspace: Path | None = None
         self.source, all_tasks = load_tasks(tasks)
         self.train = [t for t in all_tasks if t.split == "train"]
         self.heldout = [t for t in all_tasks if t.split == "heldout"]
@@ -61,7 +62,6 @@ class CodingEnv:
         self.actions = ("done",)
         self.heldout_from, self.command_s = heldout_from, command_s
         self.task = None
-        self.workspace: Path | None = None
         self.edits = 0
         self._expert_step = 0
 
