@@ -136,3 +136,16 @@ def test_the_expert_through_gyres_harness_calls_the_tool_and_scores():
         first, last = r.calls
         assert first.tool_parse == "ok" and len(first.tool_call_ids) == 1 and first.tool_spans     # the edit
         assert last.tool_parse == "none" and r.status == "done" and r.success and r.partial == 1.0
+
+
+def test_the_experts_minimal_edit_restores_every_shipped_task_byte_for_byte(tmp_path):
+    env = CodingEnv("inflection")
+    for i, t in enumerate(env.train + env.heldout):
+        env.task, env.workspace = t, tmp_path / str(i)
+        env.workspace.mkdir()
+        env.setup_workspace(str(env.workspace))
+        old, new = env.oracle_edit()
+        assert len(old) < len(t.broken) or t.broken.count("\n") <= 2     # fewer lines than the whole function
+        env.call_tool("edit_file", {"path": t.path, "old": old, "new": new})
+        assert (env.workspace / t.path).read_text() == (Path(env.source.root) / t.path).read_text(), t.id
+    env.workspace = None

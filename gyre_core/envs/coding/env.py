@@ -150,13 +150,35 @@ class CodingEnv:
 
     # -- the expert ------------------------------------------------------------------------------------------
     def expert_action(self) -> str | None:
-        """The oracle patch through `edit_file`, then the answer."""
+        """The oracle patch through `edit_file` (the fewest lines that make it, with context enough to be
+        unique in the file), then the answer."""
         self._expert_step += 1
         if self._expert_step == 1:
-            call = {"name": "edit_file", "arguments": {"path": self.task.path, "old": self.task.broken,
-                                                       "new": self.task.original}}
+            old, new = self.oracle_edit()
+            call = {"name": "edit_file", "arguments": {"path": self.task.path, "old": old, "new": new}}
             return f"<tool_call>\n{json.dumps(call)}\n</tool_call>"
         return "done"
+
+    def oracle_edit(self) -> tuple[str, str]:
+        """(old, new) for `edit_file`: the lines where the broken function differs from the original, widened
+        by a line at a time until `old` occurs once in the broken file."""
+        t = self.task
+        b, o = t.broken.splitlines(keepends=True), t.original.splitlines(keepends=True)
+        head = 0
+        while head < min(len(b), len(o)) and b[head] == o[head]:
+            head += 1
+        tail = 0
+        while tail < min(len(b), len(o)) - head and b[-1 - tail] == o[-1 - tail]:
+            tail += 1
+        text = (self.workspace / t.path).read_text() if self.workspace else t.broken
+        lo, hi_b, hi_o = head, len(b) - tail, len(o) - tail
+        while True:
+            old, new = "".join(b[lo:hi_b]), "".join(o[lo:hi_o])
+            if old and text.count(old) == 1:
+                return old, new
+            if lo == 0 and hi_b == len(b):
+                return t.broken, t.original
+            lo, hi_b, hi_o = max(0, lo - 1), min(len(b), hi_b + 1), min(len(o), hi_o + 1)
 
     # -- the workspace, for Gyre's harness and for an external one -------------------------------------------
     def setup_workspace(self, path: str) -> str:
