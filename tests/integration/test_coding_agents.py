@@ -25,7 +25,7 @@ from tests.core.test_proxy import ScriptedEngine
 
 MSWEA = Path(__file__).resolve().parents[2] / ".venv-mswea" / "bin" / "python"
 PROJECT = Path(__file__).resolve().parents[2]
-SCRIPT = ["THOUGHT: look around.\n\n```mswea_bash_command\ntouch made_by_agent && ls /work/main/README.md; "
+SCRIPT = ["THOUGHT: look around.\n\n```mswea_bash_command\ntouch made_by_agent && ls " + str(PROJECT / "README.md") + "; "
           "python -c \"import socket; socket.create_connection(('1.1.1.1', 80), timeout=2)\" 2>&1 | tail -1\n```",
           "THOUGHT: done.\n\n```mswea_bash_command\necho COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT\n```"]
 
