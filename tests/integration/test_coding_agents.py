@@ -12,7 +12,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-
 from gyre_core.config import load_config
 from gyre_core.envs.coding.env import CodingEnv
 from gyre_core.harness.conversation import ChatFormat
