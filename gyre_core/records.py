@@ -93,6 +93,22 @@ class ExecutionRecord:
         return self.status != STATUS_FAILED
 
 
+def common_prefix(a: list[int], b: list[int]) -> int:
+    """Length of the longest common prefix of two id lists, by bisection over C-speed slice compares (the
+    engine matches a context's cache with every new prompt; the proxy a new context with every served one)."""
+    n = min(len(a), len(b))
+    if a[:n] == b[:n]:
+        return n
+    lo, hi = 0, n  # a[:lo] == b[:lo] holds, a[:hi] != b[:hi]
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if a[:mid] == b[:mid]:
+            lo = mid
+        else:
+            hi = mid
+    return lo
+
+
 def rebuild_prompts(rows: list[tuple[int, int, list[int], list[int]]]) -> list[list[int]]:
     """Rebuild full prompts from stored (parent_call, prefix_len, delta, completion) rows.
 

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import torch
 from transformers.cache_utils import Cache, DynamicLayer
 
+from ..records import common_prefix
 from .interface import GenRequest, GenResult, mix_seed, validate_requests
 
 
@@ -40,20 +41,6 @@ class _Row:
     reuse: int                # cached tokens reused (the prompt's first `reuse` tokens)
     kv: torch.Tensor | None   # their K/V, [layers, 2, kv_heads, reuse, head_dim]
     delta: list[int]          # prompt tokens to prefill
-
-
-def _common_prefix(a: list[int], b: list[int]) -> int:
-    n = min(len(a), len(b))
-    if a[:n] == b[:n]:
-        return n
-    lo, hi = 0, n  # a[:lo] == b[:lo] holds, a[:hi] != b[:hi]: bisect with C-speed slice compares
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        if a[:mid] == b[:mid]:
-            lo = mid
-        else:
-            hi = mid
-    return lo
 
 
 class LocalEngine:
@@ -167,7 +154,7 @@ class LocalEngine:
         reuse = 0
         if ctx is not None:
             # At least the last prompt token is always run: its logits give the first new token.
-            reuse = min(_common_prefix(ctx.ids, req.prompt_ids), len(req.prompt_ids) - 1)
+            reuse = min(common_prefix(ctx.ids, req.prompt_ids), len(req.prompt_ids) - 1)
         kv = ctx.kv[:, :, :, :reuse] if reuse else None
         return _Row(req, reuse, kv, req.prompt_ids[reuse:])
 

@@ -39,6 +39,7 @@ from pathlib import Path
 
 from ..envs.protocol import supports
 from ..records import STATUS_DONE, STATUS_FAILED, STATUS_TIMEOUT, ExecutionRecord
+from .loop import score_record
 
 POLL_S = 0.02
 # What the agent program inherits of Gyre's environment (plus `harness.pass_env`): enough to run a program,
@@ -144,17 +145,7 @@ def _run_one(cfg, proxy, base_url: str, command: list[str], spec, env, workspace
         return _failed(rec, f"the agent exited with status {code} before any model call: {_tail(log_path)}")
     rec.status = status
     rec.compactions = closed.summary_contexts()
-    attempts = h.score_retries + 1
-    for _ in range(attempts):
-        try:
-            score = env.score_workspace(str(workspace))
-            break
-        except Exception as exc:  # noqa: BLE001 - an evaluator failure is not a zero
-            last = exc
-    else:
-        return _failed(rec, f"score failed after {attempts} attempts: {type(last).__name__}: {last}")
-    if score is not None:
-        rec.success, rec.partial = bool(score.success), float(score.partial)
+    score_record(rec, lambda: env.score_workspace(str(workspace)), h.score_retries)
     rec.t_end = time.time()
     return rec
 

@@ -197,7 +197,7 @@ class Execution:
             else:
                 tool_results, observation = None, None
             if tool_results is None and observation is None:     # a text action (or a final answer)
-                text = self.fmt.tokenizer.decode(_strip_stop(call.completion_ids, self.stop_texts),
+                text = self.fmt.tokenizer.decode(strip_stop(call.completion_ids, self.stop_texts),
                                                  skip_special_tokens=True)
                 result = self.env.step(text)
         except Exception as exc:
@@ -232,7 +232,7 @@ class Execution:
         when it called none (the text then goes to `step`)."""
         from .tools import PARSE_MALFORMED, PARSE_NONE, parse_tool_calls, token_spans
 
-        ids = _strip_stop(call.completion_ids, self.stop_texts)
+        ids = strip_stop(call.completion_ids, self.stop_texts)
         text = self.fmt.tokenizer.decode(ids, skip_special_tokens=False)
         parsed = parse_tool_calls(text, {t["function"]["name"] for t in self.tools})
         call.tool_parse = parsed.status
@@ -253,20 +253,7 @@ class Execution:
 
     def _finish(self, status: str) -> None:
         self.record.status = status
-        attempts = self.cfg.score_retries + 1
-        for attempt in range(attempts):
-            try:
-                score = self.env.score()
-                break
-            except Exception as exc:
-                last = exc
-        else:
-            # an evaluator failure is not a zero: after the retries the execution is excluded, with why
-            self.record.status = STATUS_FAILED
-            self.record.error = f"score failed after {attempts} attempts: {type(last).__name__}: {last}"[:2000]
-            return self._close()
-        if score is not None:   # nothing left to score: the placeholder reward 0 stands
-            self.record.success, self.record.partial = bool(score.success), float(score.partial)
+        score_record(self.record, self.env.score, self.cfg.score_retries)
         self._close()
 
     def _fail(self, exc: BaseException) -> None:
@@ -279,7 +266,26 @@ class Execution:
         self.record.t_end = time.time()
 
 
-def _strip_stop(ids: list[int], stop_texts: dict[int, str]) -> list[int]:
+def score_record(record: ExecutionRecord, score: Callable[[], object], retries: int) -> None:
+    """Run the evaluator `score()` (up to `retries` more times when it raises) and put its success and partial
+    score on `record` (None: nothing to score, the placeholder reward 0 stands). An evaluator failure is not a
+    zero: after the retries the execution is marked failed, with why, and excluded from training."""
+    attempts = retries + 1
+    for _ in range(attempts):
+        try:
+            result = score()
+            break
+        except Exception as exc:  # noqa: BLE001 - any evaluator failure is retried
+            last = exc
+    else:
+        record.status = STATUS_FAILED
+        record.error = f"score failed after {attempts} attempts: {type(last).__name__}: {last}"[:2000]
+        return
+    if result is not None:
+        record.success, record.partial = bool(result.success), float(result.partial)
+
+
+def strip_stop(ids: list[int], stop_texts: dict[int, str]) -> list[int]:
     return ids[:-1] if ids and ids[-1] in stop_texts else ids
 
 

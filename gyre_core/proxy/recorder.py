@@ -32,7 +32,8 @@ import time
 from dataclasses import dataclass
 
 from ..harness.conversation import message_text
-from ..records import ROLES, STATUS_TIMEOUT, STATUS_TOKEN_LIMIT, STATUS_TURN_LIMIT, CallRecord, ExecutionRecord
+from ..records import (ROLES, STATUS_TIMEOUT, STATUS_TOKEN_LIMIT, STATUS_TURN_LIMIT, CallRecord, ExecutionRecord,
+                       common_prefix)
 
 
 class ProxyError(Exception):
@@ -131,19 +132,6 @@ def _chain(seed: str, canon: list[str]) -> list[bytes]:
         h = hashlib.blake2b(h + c.encode(), digest_size=16).digest()
         out.append(h)
     return out
-
-
-def _common_prefix(a: list[int], b: list[int]) -> int:
-    """Length of the longest common prefix, by bisection over C-level slice comparisons (a long execution's
-    contexts are compared with every new one)."""
-    n = min(len(a), len(b))
-    if a[:n] == b[:n]:
-        return n
-    lo, hi = 0, n                  # a[:lo] == b[:lo], a[:hi] != b[:hi]
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        lo, hi = (mid, hi) if a[:mid] == b[:mid] else (lo, mid)
-    return lo
 
 
 class ProxyExecution:
@@ -249,7 +237,7 @@ class ProxyExecution:
         if not ids:
             raise ProxyError(400, "the prompt has no tokens", param="prompt")
         with self.lock:
-            parent = max(self._by_call.values(), key=lambda s: _common_prefix(s.ids, ids), default=None)
+            parent = max(self._by_call.values(), key=lambda s: common_prefix(s.ids, ids), default=None)
         if parent is not None and ids[:len(parent.ids)] == parent.ids:   # it extends that context
             return Prepared(ids, parent.context_index, parent.role, parent.call_index, len(parent.ids), parent.first,
                             True)
@@ -259,8 +247,8 @@ class ProxyExecution:
         """A new context's prompt; its index and role are given when it is submitted (`commit`), so a refused
         request leaves no context behind."""
         with self.lock:
-            parent = max(self._by_call.values(), key=lambda s: _common_prefix(s.ids, ids), default=None)
-            shared = _common_prefix(parent.ids, ids) if parent is not None else 0
+            parent = max(self._by_call.values(), key=lambda s: common_prefix(s.ids, ids), default=None)
+            shared = common_prefix(parent.ids, ids) if parent is not None else 0
         p = Prepared(ids, -1, declared_role or key_role, parent.call_index if shared else -1, shared, first, False,
                      messages, tools, chain)
         p.declared = declared_role is not None

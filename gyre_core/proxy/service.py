@@ -22,6 +22,7 @@ import time
 import uuid
 from dataclasses import dataclass, field
 
+from ..harness.loop import strip_stop
 from ..harness.tools import PARSE_OK, parse_tool_calls, token_spans
 from .pool import Job, JobResult
 from .recorder import Limits, Prepared, ProxyError, ProxyExecution, check_role
@@ -226,9 +227,7 @@ class Proxy:
 
     # -- responses ----------------------------------------------------------------------------------------
     def _text(self, ids: list[int]) -> str:
-        if ids and ids[-1] in self.stop_texts:
-            ids = ids[:-1]
-        return self.tok.decode(ids, skip_special_tokens=False)
+        return self.tok.decode(strip_stop(ids, self.stop_texts), skip_special_tokens=False)
 
     def visible_text(self, call: Call, ids: list[int], final: bool) -> str:
         """The completion's text a client may be shown so far: cut at a stop string; while generating, short
@@ -262,8 +261,7 @@ class Proxy:
             parsed = parse_tool_calls(text, call.tool_names)
             tool_parse = parsed.status
             if parsed.status == PARSE_OK:
-                body_ids = ids[:-1] if stopped_on is not None else ids
-                spans = token_spans(self.tok, body_ids, [c.span for c in parsed.calls])
+                spans = token_spans(self.tok, strip_stop(ids, self.stop_texts), [c.span for c in parsed.calls])
                 tool_calls = [{"id": "call_" + uuid.uuid4().hex[:24], "type": "function",
                                "function": {"name": c.name, "arguments": json.dumps(c.arguments)}}
                               for c in parsed.calls]

@@ -44,7 +44,9 @@ class SandboxEnvironment:
     def get_template_vars(self, **kwargs) -> dict:
         import platform
 
-        return {**platform.uname()._asdict(), "cwd": "/tmp/workspace", **kwargs}
+        from gyre_core.sandbox import MOUNT
+
+        return {**platform.uname()._asdict(), "cwd": MOUNT, **kwargs}
 
     def serialize(self) -> dict:
         return {"info": {"config": {"environment_type": "gyre.sandbox", "timeout": self.timeout}}}
