@@ -13,7 +13,9 @@ sandbox, and executions per minute through Gyre's harness.
   cut off or killed, with nothing outside the workspace changed and nothing left running).
 - Throughput: the expert through Gyre's harness (tool calls parsed from its completions, results rendered as
   tool messages), N executions with 16 and 64 at once on this machine's cores; every command and evaluation
-  in the sandbox. `evaluator_s`: the evaluator's mean seconds per execution.
+  in the sandbox. `evaluator_s`: the evaluator's mean seconds per execution. Evaluators run on
+  `harness.score_workers` (4) threads beside the rollout; `executions_per_min_16_one_evaluator` is the same run
+  with one, and `evaluators_speedup` the ratio.
 """
 from __future__ import annotations
 
@@ -95,7 +97,9 @@ def _random_policy(env, rng: random.Random, turns: int = 6):
     return env.score()
 
 
-def _throughput(concurrency: int, n: int) -> tuple[float, list[float]]:
+def _throughput(concurrency: int, n: int, score_workers: int = 4) -> tuple[float, list[float]]:
+    """Expert executions per minute through Gyre's harness, `concurrency` at once, and each one's evaluator
+    seconds (`ExecutionRecord.evaluator_s`)."""
     from gyre_core.config import HarnessConfig
     from gyre_core.envs.coding.env import CodingEnv
     from gyre_core.harness.conversation import ChatFormat
@@ -106,25 +110,15 @@ def _throughput(concurrency: int, n: int) -> tuple[float, list[float]]:
     env = CodingEnv("inflection")
     tok = train_tokenizer(list(env.corpus(20, 0)), vocab_size=512)
     stop = tok.convert_tokens_to_ids(IM_END)
-    cfg = HarnessConfig(max_turns=4, context_tokens=100_000, max_new_tokens=4096)
-    scored: list[float] = []
-
-    class Timed(CodingEnv):
-        def score(self):
-            t0 = time.perf_counter()
-            try:
-                return super().score()
-            finally:
-                scored.append(time.perf_counter() - t0)
-
+    cfg = HarnessConfig(max_turns=4, context_tokens=100_000, max_new_tokens=4096, score_workers=score_workers)
     specs = [ExecutionSpec("bench", 0, f"bench/e{i}", f"t{i}", i, "train") for i in range(n)]
     t0 = time.perf_counter()
-    recs = run_executions(specs, ExpertPolicy(tok, stop), cfg, lambda: Timed("inflection"), ChatFormat(tok),
+    recs = run_executions(specs, ExpertPolicy(tok, stop), cfg, lambda: CodingEnv("inflection"), ChatFormat(tok),
                           {stop: IM_END}, concurrency)
     wall = time.perf_counter() - t0
     if not all(r.success for r in recs):
         raise RuntimeError(f"the expert failed through the harness: {[r.error for r in recs if not r.success][:2]}")
-    return n / wall * 60, scored
+    return n / wall * 60, [r.evaluator_s for r in recs]
 
 
 def bench_coding(quick: bool = False) -> dict:
@@ -169,6 +163,10 @@ def bench_coding(quick: bool = False) -> dict:
 
     per_min_16, scored = _throughput(16, 16 if quick else 32)
     out.update(executions_per_min_16=round(per_min_16, 1), evaluator_s=round(statistics.mean(scored), 2))
+    # the baseline: one evaluator at a time (what scoring in line with the rollout allows at most)
+    serial, _ = _throughput(16, 16 if quick else 32, score_workers=1)
+    out.update(executions_per_min_16_one_evaluator=round(serial, 1),
+               evaluators_speedup=round(per_min_16 / serial, 2))
     if not quick:
         per_min_64, _ = _throughput(64, 64)
         out.update(executions_per_min_64=round(per_min_64, 1))

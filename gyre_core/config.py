@@ -98,6 +98,9 @@ class HarnessConfig(_Section):
     """Optional wall-clock limit of an execution (for real sandboxes; breaks determinism)."""
     score_retries: int = Field(2, ge=0)
     """An evaluator that raises is retried this many times; then the execution is excluded from training."""
+    score_workers: int = Field(4, gt=0)
+    """Evaluators running at once: an ended execution is scored on one of these threads while the others go
+    on generating (its time is `executions.evaluator_s` in the lake, `time/evaluator_s` per step)."""
     command: list[str] = Field(default_factory=list)
     """An external agent harness: the program (argv) each execution runs, in a workspace the environment sets
     up, talking to the model through Gyre's recording proxy (`OPENAI_BASE_URL`, `OPENAI_API_KEY`); the

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-SCHEMA_VERSION = 5      # 2: calls gained tool_call_ids and payload_uri; 3: progress; 4: tool_parse, tool_spans;
-#                         5: rerender_drift
+SCHEMA_VERSION = 6      # 2: calls gained tool_call_ids and payload_uri; 3: progress; 4: tool_parse, tool_spans;
+#                         5: rerender_drift; 6: executions.evaluator_s
 #                         (older lakes still read)
 
 # Roles of a model-call context, highest training priority first (the processor may reorder).
@@ -80,7 +80,8 @@ class ExecutionRecord:
     fork_of: str = ""             # a forked continuation: the execution it was copied from
     fork_call: int = 0            # ... and how many of its first calls it shares with that execution
     t_start: float = 0.0
-    t_end: float = 0.0
+    t_end: float = 0.0            # the last model call or tool (the evaluator's time is evaluator_s)
+    evaluator_s: float = 0.0      # the evaluator's wall seconds, retries included
     calls: list[CallRecord] = field(default_factory=list)
 
     @property

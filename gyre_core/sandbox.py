@@ -29,6 +29,7 @@ process by the address-space limit only.
 """
 from __future__ import annotations
 
+import itertools
 import os
 import resource
 import shutil
@@ -173,6 +174,7 @@ class _Cgroup:
     """A cgroup per run (v2, or v1's `pids` and `memory` hierarchies) capping processes and memory."""
 
     ROOT = Path("/sys/fs/cgroup")
+    _serial = itertools.count()
 
     def __init__(self, dirs: list[Path]) -> None:
         self.dirs = dirs
@@ -180,7 +182,7 @@ class _Cgroup:
 
     @classmethod
     def make(cls, lim: SandboxLimits) -> "_Cgroup":
-        name = f"gyre-sandbox-{os.getpid()}-{time.monotonic_ns()}"
+        name = f"gyre-sandbox-{os.getpid()}-{next(cls._serial)}"   # unique across threads
         try:
             if (cls.ROOT / "cgroup.controllers").exists():          # v2
                 d = cls.ROOT / name

@@ -18,7 +18,7 @@ and of Gyre's own environment only `BASE_ENV` (PATH, HOME, locale, ...) and the 
 and the execution ends when the process exits or hits a limit: wall clock (`harness.wall_clock_s`), model
 calls (`harness.max_turns`) or tokens (`harness.max_execution_tokens`) — the proxy refuses the call that
 would exceed one, and the process group is then stopped. The environment's `score_workspace` scores what
-it left; an evaluator that raises is retried (`harness.score_retries`), then the execution is excluded
+it left, on one of `harness.score_workers` threads while the next execution takes the agent's slot; an evaluator that raises is retried (`harness.score_retries`), then the execution is excluded
 from training (a failure is not a zero). A process that exits non-zero without a single model call is a
 failed execution (the harness could not start; its output's tail is the record's error); one that made
 calls is scored like any other. `python`/`python3` as the command's first word is Gyre's interpreter, and
@@ -82,30 +82,55 @@ def run_external(cfg, chat, stop_texts: dict[int, str], engine, temperature: flo
 
     command = resolve_command(cfg.harness.command)
     with open_proxy(cfg, chat, stop_texts, CellPool([engine], cfg.proxy.chunk_tokens), temperature,
-                    model_name) as (proxy, server):
-        def one(spec) -> ExecutionRecord:
-            rec = run_one(cfg, proxy, server.base_url, command, spec, make_env())
+                    model_name) as (proxy, server), \
+            ThreadPoolExecutor(max_workers=cfg.harness.score_workers, thread_name_prefix="gyre-evaluator") as evaluators, \
+            ThreadPoolExecutor(max_workers=min(cfg.rollout.concurrency, len(specs)) or 1,
+                               thread_name_prefix="gyre-agent") as agents:
+        def scored(rec: ExecutionRecord, workspace: Path, env) -> ExecutionRecord:
+            rec = score_agent(cfg, rec, workspace, env)
             if on_finish:
                 on_finish(rec)
             return rec
 
-        with ThreadPoolExecutor(max_workers=min(cfg.rollout.concurrency, len(specs)) or 1,
-                                thread_name_prefix="gyre-agent") as pool:
-            return list(pool.map(one, specs))
+        def one(spec):      # the agent's slot is free again while its workspace is scored
+            env = make_env()
+            return evaluators.submit(scored, *run_agent(cfg, proxy, server.base_url, command, spec, env), env)
+
+        return [f.result() for f in list(agents.map(one, specs))]
 
 
 def run_one(cfg, proxy, base_url: str, command: list[str], spec, env) -> ExecutionRecord:
-    """One execution of the external harness (see the module's text); its workspace and process group are
-    gone when it returns, however it ends."""
+    """One execution of the external harness (see the module's text), scored; its workspace and process group
+    are gone when it returns, however it ends."""
+    return score_agent(cfg, *run_agent(cfg, proxy, base_url, command, spec, env), env)
+
+
+def run_agent(cfg, proxy, base_url: str, command: list[str], spec, env) -> tuple[ExecutionRecord, Path]:
+    """The agent's part of an execution: its record and the workspace it left, for `score_agent` (which
+    removes it). Its process group is gone when this returns."""
     workspace = Path(tempfile.mkdtemp(prefix="gyre-ws-"))
     log_path = workspace.parent / f"{workspace.name}.log"
     try:
-        return _run_one(cfg, proxy, base_url, command, spec, env, workspace, log_path)
+        return _run_agent(cfg, proxy, base_url, command, spec, env, workspace, log_path), workspace
+    except BaseException:
+        shutil.rmtree(workspace, ignore_errors=True)
+        raise
     finally:
-        _cleanup(workspace, log_path)
+        log_path.unlink(missing_ok=True)
 
 
-def _run_one(cfg, proxy, base_url: str, command: list[str], spec, env, workspace: Path, log_path: Path) -> ExecutionRecord:
+def score_agent(cfg, rec: ExecutionRecord, workspace: Path, env) -> ExecutionRecord:
+    """The environment's evaluator on what the agent left in `workspace` (not for a failed execution); the
+    workspace is removed."""
+    try:
+        if rec.status != STATUS_FAILED:
+            score_record(rec, lambda: env.score_workspace(str(workspace)), cfg.harness.score_retries)
+        return rec
+    finally:
+        shutil.rmtree(workspace, ignore_errors=True)
+
+
+def _run_agent(cfg, proxy, base_url: str, command: list[str], spec, env, workspace: Path, log_path: Path) -> ExecutionRecord:
     h = cfg.harness
     rec = ExecutionRecord(run_id=spec.run_id, step=spec.step, execution_id=spec.execution_id, task_id=spec.task_id,
                           seed=spec.seed, split=spec.split, env=getattr(env, "name", type(env).__name__),
@@ -145,7 +170,6 @@ def _run_one(cfg, proxy, base_url: str, command: list[str], spec, env, workspace
         return _failed(rec, f"the agent exited with status {code} before any model call: {_tail(log_path)}")
     rec.status = status
     rec.compactions = closed.summary_contexts()
-    score_record(rec, lambda: env.score_workspace(str(workspace)), h.score_retries)
     rec.t_end = time.time()
     return rec
 
@@ -179,8 +203,3 @@ def _tail(log_path: Path, n: int = 800) -> str:
 def _failed(rec: ExecutionRecord, why: str) -> ExecutionRecord:
     rec.status, rec.error, rec.t_end = STATUS_FAILED, why[:2000], time.time()
     return rec
-
-
-def _cleanup(workspace: Path, log_path: Path) -> None:
-    shutil.rmtree(workspace, ignore_errors=True)
-    log_path.unlink(missing_ok=True)

@@ -12,8 +12,9 @@ go on.
 """
 from __future__ import annotations
 
-import time
 import copy
+import time
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from typing import Callable, Protocol
 
@@ -117,6 +118,7 @@ class Execution:
             seed=spec.seed, split=spec.split, env=getattr(env, "name", type(env).__name__),
             policy_version=spec.policy_version, t_start=time.time())
         self.finished = False
+        self.to_score = False      # ended (not failed): the evaluator is still to run
         self.tokens_used = 0
         self._prompt: list[int] = []
         self._context_key = ""
@@ -252,9 +254,14 @@ class Execution:
         return results, None
 
     def _finish(self, status: str) -> None:
+        """Ended (not failed): the model's part is over; `evaluate()` scores what it left behind."""
         self.record.status = status
-        score_record(self.record, self.env.score, self.cfg.score_retries)
+        self.to_score = True
         self._close()
+
+    def evaluate(self) -> None:
+        """The evaluator on what the execution left (run off the rollout's critical path by `run_executions`)."""
+        score_record(self.record, self.env.score, self.cfg.score_retries)
 
     def _fail(self, exc: BaseException) -> None:
         self.record.status = STATUS_FAILED
@@ -270,7 +277,7 @@ def score_record(record: ExecutionRecord, score: Callable[[], object], retries: 
     """Run the evaluator `score()` (up to `retries` more times when it raises) and put its success and partial
     score on `record` (None: nothing to score, the placeholder reward 0 stands). An evaluator failure is not a
     zero: after the retries the execution is marked failed, with why, and excluded from training."""
-    attempts = retries + 1
+    attempts, t0 = retries + 1, time.time()
     for _ in range(attempts):
         try:
             result = score()
@@ -280,7 +287,9 @@ def score_record(record: ExecutionRecord, score: Callable[[], object], retries: 
     else:
         record.status = STATUS_FAILED
         record.error = f"score failed after {attempts} attempts: {type(last).__name__}: {last}"[:2000]
+        record.evaluator_s = time.time() - t0
         return
+    record.evaluator_s = time.time() - t0
     if result is not None:
         record.success, record.partial = bool(result.success), float(result.partial)
 
@@ -289,65 +298,109 @@ def strip_stop(ids: list[int], stop_texts: dict[int, str]) -> list[int]:
     return ids[:-1] if ids and ids[-1] in stop_texts else ids
 
 
+class _Evaluators:
+    """The evaluators of ended executions, on a thread pool so they run off the rollout's critical path:
+    the others go on generating meanwhile. `collect` hands on the records whose evaluator has finished."""
+
+    def __init__(self, workers: int, settle: Callable[[int, ExecutionRecord], None]) -> None:
+        self.pool = ThreadPoolExecutor(max(1, workers), thread_name_prefix="gyre-evaluator")
+        self.settle = settle
+        self.running: dict[Future, tuple[int, Execution]] = {}
+
+    def submit(self, i: int, ex: Execution) -> None:
+        self.running[self.pool.submit(ex.evaluate)] = (i, ex)
+
+    def collect(self, block: bool = False) -> None:
+        if not self.running:
+            return
+        finished, _ = wait(list(self.running), timeout=None if block else 0, return_when=FIRST_COMPLETED)
+        for fut in finished:
+            i, ex = self.running.pop(fut)
+            fut.result()        # score_record catches the evaluator's failures: anything raised here is a bug
+            self.settle(i, ex.record)
+
+    def drain(self) -> None:
+        while self.running:
+            self.collect(block=True)
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=True, cancel_futures=True)
+
+
 def run_executions(specs: list[ExecutionSpec], policy: Policy, cfg: HarnessConfig, make_env: Callable[[], object],
                    fmt: ChatFormat, stop_texts: dict[int, str], concurrency: int,
                    on_finish: Callable[[ExecutionRecord], None] | None = None) -> list[ExecutionRecord]:
     """Run executions with at most `concurrency` live at once, batching their model calls.
 
     Records come back in the order of `specs` (fork children included: list them in `specs` too,
-    and in their parent's `forks`). `on_finish` is called as each one ends (progress bars). Forked
-    children join the live set at once, so with forks up to `concurrency` roots × their trees run.
+    and in their parent's `forks`). `on_finish` is called as each one ends, scored (progress bars).
+    Forked children join the live set at once, so with forks up to `concurrency` roots × their trees
+    run. An ended execution's slot goes to the next pending one at once; its evaluator runs on one of
+    `cfg.score_workers` threads meanwhile.
     """
     children = {id(c) for s in specs for ev in s.forks for c in ev.children}
     pending = [(i, s) for i, s in enumerate(specs) if id(s) not in children][::-1]
     live: list[tuple[int, Execution]] = []
     done: dict[int, ExecutionRecord] = {}
 
+    def settle(i: int, record: ExecutionRecord) -> None:
+        done[i] = record
+        if on_finish:
+            on_finish(record)
+
+    evaluators = _Evaluators(cfg.score_workers, settle)
+
     def retire(i: int, ex: Execution) -> None:
         policy.release(ex._context_key)
-        done[i] = ex.record
-        if on_finish:
-            on_finish(ex.record)
+        if ex.to_score:
+            evaluators.submit(i, ex)
+        else:
+            settle(i, ex.record)
 
     index = {id(s): i for i, s in enumerate(specs)}
     forks_due: dict[int, list[ForkEvent]] = {}   # live index -> its fork events still to come
 
-    while pending or live:
-        while pending and len(live) < concurrency:
-            i, spec = pending.pop()
-            ex = Execution(spec, make_env(), fmt, cfg, stop_texts)
-            if spec.forks:
-                forks_due[i] = list(spec.forks)
-            if ex.finished:   # could not even start: its fork children start afresh
-                for ev in forks_due.pop(i, []):
-                    pending.extend((index[id(c)], c) for c in ev.children)
-                retire(i, ex)
-            else:
-                live.append((i, ex))
-        if not live:      # everything pending failed to start
-            continue
-        calls = [ex.request() for _, ex in live]
-        t0 = time.time()
-        outs = policy.complete(calls)
-        still: list[tuple[int, Execution]] = []
-        for (i, ex), out in zip(live, outs):
-            events = forks_due.get(i)
-            if events and events[0].due(ex.record.turns, out.entropy):
-                # fork before this call is applied: the children share every earlier call and sample
-                # this decision again from a copy of the same state (the parent keeps its own sample)
-                for c in events.pop(0).children:
-                    still.append((index[id(c)], ex.fork(c, make_env)))
-                    if c.forks:
-                        forks_due[index[id(c)]] = list(c.forks)
-            key_before = ex._context_key
-            ex.deliver(out, t0)
-            if ex.finished:
-                for ev in forks_due.pop(i, []):   # ended before a fork: those children start afresh
-                    pending.extend((index[id(c)], c) for c in ev.children)
-                retire(i, ex)
-            else:
-                if ex._context_key != key_before:
-                    policy.release(key_before)
-                still.append((i, ex))
-        live = still
+    try:
+        while pending or live:
+            evaluators.collect()
+            while pending and len(live) < concurrency:
+                i, spec = pending.pop()
+                ex = Execution(spec, make_env(), fmt, cfg, stop_texts)
+                if spec.forks:
+                    forks_due[i] = list(spec.forks)
+                if ex.finished:   # could not even start: its fork children start afresh
+                    for ev in forks_due.pop(i, []):
+                        pending.extend((index[id(c)], c) for c in ev.children)
+                    retire(i, ex)
+                else:
+                    live.append((i, ex))
+            if not live:      # everything pending failed to start
+                continue
+            calls = [ex.request() for _, ex in live]
+            t0 = time.time()
+            outs = policy.complete(calls)
+            still: list[tuple[int, Execution]] = []
+            for (i, ex), out in zip(live, outs):
+                events = forks_due.get(i)
+                if events and events[0].due(ex.record.turns, out.entropy):
+                    # fork before this call is applied: the children share every earlier call and sample
+                    # this decision again from a copy of the same state (the parent keeps its own sample)
+                    for c in events.pop(0).children:
+                        still.append((index[id(c)], ex.fork(c, make_env)))
+                        if c.forks:
+                            forks_due[index[id(c)]] = list(c.forks)
+                key_before = ex._context_key
+                ex.deliver(out, t0)
+                if ex.finished:
+                    for ev in forks_due.pop(i, []):   # ended before a fork: those children start afresh
+                        pending.extend((index[id(c)], c) for c in ev.children)
+                    retire(i, ex)
+                else:
+                    if ex._context_key != key_before:
+                        policy.release(key_before)
+                    still.append((i, ex))
+            live = still
+        evaluators.drain()
+    finally:
+        evaluators.close()
     return [done[i] for i in range(len(specs))]

@@ -47,6 +47,7 @@ EXECUTIONS = pa.schema(
         ("tokens_generated", pa.int64()),
         ("fork_of", pa.string()),          # a forked continuation: the execution it was copied from
         ("fork_call", pa.int32()),         # calls [0, fork_call) are shared with it (stored there once)
+        ("evaluator_s", pa.float64()),     # since version 6: the evaluator's wall seconds
     ],
     metadata=_META,
 )
@@ -232,6 +233,7 @@ ADDED_IN: dict[str, dict[str, int]] = {
     "calls": {"tool_call_ids": 2, "payload_uri": 2, "progress": 3, "tool_parse": 4, "tool_spans": 4,
               "rerender_drift": 5},
     "scores": {"multiplicity": 2, "kept_as": 2},
+    "executions": {"evaluator_s": 6},
 }
 
 _EXEC_FIELDS = [f.name for f in EXECUTIONS if f.name not in ("n_calls", "tokens_generated")]
@@ -331,7 +333,9 @@ def read_executions(executions: pa.Table, calls: pa.Table | None = None) -> list
 
     out = []
     for row in rows:
-        rec = ExecutionRecord(**{name: row[name] for name in _EXEC_FIELDS})
+        # a column newer than the file reads as NULL: the record's default stands
+        rec = ExecutionRecord(**{name: row[name] for name in _EXEC_FIELDS
+                                 if row.get(name) is not None or name not in ADDED_IN["executions"]})
         rec.calls = _rebuild_calls(rec.execution_id, list(all_calls((row["run_id"], row["step"], row["execution_id"]))))
         out.append(rec)
     return out

@@ -57,6 +57,7 @@ def rollout(run_dir: str, step: int) -> str:
         "turns": sum(r.turns for r in records) / n, "compactions": sum(r.compactions for r in records),
         "invalid_actions": sum(r.invalid_actions for r in records),
         "tokens_generated": sum(r.tokens_generated for r in records), "rollout_s": time.time() - t0,
+        "evaluator_s": sum(r.evaluator_s for r in records) / n,
     }
     parsed = [c for r in records for c in r.calls if c.tool_parse]     # calls of an environment with tools
     if parsed:
@@ -341,6 +342,7 @@ def step_metrics(run: RunDir, step: int) -> dict[str, float]:
         "train/kl_backtracks": tr.get("kl_backtracks", 0), "train/lr": tr.get("lr", run.cfg.rl.lr),
         "tokens/packed_computed": tr.get("packing_tokens_computed", 0), "tokens/flat": tr.get("packing_tokens_flat", 0),
         "time/rollout_s": ro.get("rollout_s", 0.0), "time/score_s": sc.get("score_s", 0.0),
+        "time/evaluator_s": ro.get("evaluator_s", 0.0),    # mean per execution, inside the rollout's time
         "time/process_s": pr.get("process_s", 0.0), "time/train_s": tr.get("train_s", 0.0),
         # only where they were measured: TIS on (`rl.tis_cap`), weights loaded into a server, tools
         **({"train/tis_clip_frac": tr["tis_clip_frac"]} if "tis_clip_frac" in tr else {}),

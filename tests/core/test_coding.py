@@ -96,6 +96,24 @@ def test_the_expert_solves_shipped_tasks_through_the_tools():
     assert not {t.function for t in env.train} & {t.function for t in env.heldout}      # split by function
 
 
+def test_run_tests_runs_the_workspaces_tests_and_docstring_examples_in_the_sandbox():
+    env = CodingEnv("inflection")
+    env.reset(3)                        # a fix task: `ordinal`, whose docstring examples show the bug
+    assert env.task.function == "ordinal" and env.task.kind == "fix"
+    out = env.call_tool("run_tests", {})
+    assert out.startswith("exit 1") and "FAILED inflection/__init__.py::inflection.ordinal" in out
+    # an agent's own test file runs too, and nothing of the withheld suite is there to run
+    (env.workspace / "test_mine.py").write_text("from inflection import ordinal\ndef test_1():\n"
+                                                "    assert ordinal(1) == 'st'\n")
+    assert "1 passed" in env.call_tool("run_tests", {"path": "test_mine.py"})
+    old, new = env.oracle_edit()
+    env.call_tool("edit_file", {"path": env.task.path, "old": old, "new": new})
+    out = env.call_tool("run_tests", {})
+    assert out.startswith("exit 0") and "failed" not in out
+    with pytest.raises(ValueError, match="outside the workspace"):
+        env.call_tool("run_tests", {"path": "../"})
+
+
 def test_what_an_agent_adds_cannot_change_the_score():
     env = CodingEnv("inflection")
     env.reset(1)

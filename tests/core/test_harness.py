@@ -180,6 +180,44 @@ def test_a_failing_evaluator_is_retried_then_the_execution_excluded_with_its_rea
     assert r.error == "score failed after 2 attempts: KeyError: 'evaluator crashed'"
 
 
+def test_an_evaluator_runs_off_the_critical_path_and_frees_its_slot(tok):
+    """One slot, two executions: the first one's evaluator waits until the second has taken three steps, which
+    it can only do if the evaluator runs beside the rollout and the ended execution's slot went to the next."""
+    import threading
+    import time
+
+    second_stepped = threading.Event()
+
+    class Waits(ScriptedEnv):
+        def step(self, action):
+            out = super().step(action)
+            if self._s["seed"] == 1 and self._s["steps"] == 3:
+                second_stepped.set()
+            return out
+
+        def score(self):
+            if self._s["seed"] == 0:
+                t0 = time.time()
+                if not second_stepped.wait(timeout=30):
+                    raise TimeoutError("the second execution never ran while this one was scored")
+                Waits.waited, Waits.scored_at = time.time() - t0, time.time()
+            return super().score()
+
+    fmt, stop = ChatFormat(tok), tok.convert_tokens_to_ids(IM_END)
+    specs = [ExecutionSpec("r", 0, f"e{i}", "t", i, "train") for i in range(2)]
+    settled = []
+    recs = run_executions(specs, ExpertPolicy(tok, stop), HarnessConfig(max_turns=50, context_tokens=4096,
+                                                                       score_retries=0, score_workers=2),
+                          lambda: Waits(length=6), fmt, {stop: IM_END}, concurrency=1, on_finish=settled.append)
+    assert [r.status for r in recs] == ["done", "done"] and all(r.success for r in recs)
+    assert sorted(r.execution_id for r in settled) == ["e0", "e1"]      # each handed on once, scored
+    first, second = recs
+    # the second execution's model calls began after the first's last one and before its evaluator ended
+    assert first.t_end <= second.calls[0].t_start
+    assert second.calls[2].t_end <= Waits.scored_at
+    assert first.evaluator_s >= Waits.waited > 0 and 0 < second.evaluator_s < first.evaluator_s
+
+
 def test_nothing_to_score_gets_the_placeholder_zero(tok):
     class Blank(ScriptedEnv):
         def score(self):

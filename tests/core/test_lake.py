@@ -44,7 +44,7 @@ def _records(run_id: str = "run1", step: int = 3) -> list[ExecutionRecord]:
     c4 = CallRecord("e1", 4, 2, "sub-agent", p4, [30], [-0.0625], [2], parent_call=1, prefix_len=4)
     e1 = ExecutionRecord(run_id, step, "e1", "task-a", 11, "train", "grid", status="done", reward=1.0,
                          success=True, partial=1.0, turns=4, compactions=1, policy_version=0,
-                         t_start=0.5, t_end=9.5, calls=[c0, c1, c2, c3, c4])
+                         t_start=0.5, t_end=9.5, evaluator_s=1.25, calls=[c0, c1, c2, c3, c4])
     e2 = ExecutionRecord(run_id, step, "e2", "task-a", 12, "train", "grid", status="timeout", reward=0.25,
                          partial=0.25, turns=1, invalid_actions=2, policy_version=1,
                          calls=[CallRecord("e2", 0, 0, "main", [1, 2], [40, 41, 42, 43], [-1.0] * 4, [1] * 4)])

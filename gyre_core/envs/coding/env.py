@@ -8,7 +8,7 @@ Each episode is one task (`tasks.py`): the seed picks it from the train tasks, o
 default). The workspace is a copy of the package with the task's function broken and the test file
 withheld. The agent works with tools, every command in the sandbox (`gyre_core.sandbox`):
 
-    list_files(path)  read_file(path)  edit_file(path, old, new)  run(command)
+    list_files(path)  read_file(path)  edit_file(path, old, new)  run(command)  run_tests(path)
 
 and answers `done` (without a tool call) when it is done. The evaluator copies what the workspace left into a
 fresh directory with the withheld test file, runs it in a fresh sandbox, and scores the fraction of the
@@ -47,7 +47,13 @@ TOOLS = [
     {"type": "function", "function": {"name": "run", "description": "Run a shell command in the workspace (no network).",
                                       "parameters": {"type": "object", "properties": {"command": {"type": "string"}},
                                                      "required": ["command"]}}},
+    {"type": "function", "function": {
+        "name": "run_tests", "description": "Run pytest on a file or directory of the workspace: the tests there and "
+        "the examples in the docstrings (the hidden tests are not in the workspace).",
+        "parameters": {"type": "object", "properties": {"path": {"type": "string"}}}}},
 ]
+TEST_COMMAND = ["python", "-m", "pytest", "-q", "--doctest-modules", "-p", "no:cacheprovider", "--tb=short",
+                "--no-header"]
 
 
 class CodingEnv:
@@ -86,8 +92,8 @@ class CodingEnv:
         """A completion without a tool call: `done` ends the episode; anything else is a reminder."""
         if "done" in action.lower():
             return StepResult("Submitted.", done=True)
-        return StepResult("Call a tool (list_files, read_file, edit_file, run), or answer `done` when the task is "
-                          "done.", done=False, valid=False)
+        return StepResult("Call a tool (list_files, read_file, edit_file, run, run_tests), or answer `done` when the "
+                          "task is done.", done=False, valid=False)
 
     def score(self) -> Score:
         """The evaluator on the workspace as it stands (kept until the next reset, or the env is dropped)."""
@@ -117,12 +123,17 @@ class CodingEnv:
             self.edits += 1
             return f"Edited {arguments['path']}."
         if name == "run":
-            from ...sandbox import Sandbox, SandboxLimits
-
-            r = Sandbox(ws, SandboxLimits(wall_s=self.command_s, cpu_s=int(self.command_s))).run(str(arguments["command"]))
-            tail = r.output[-4000:]
-            return f"exit {r.exit_code}{' (timed out)' if r.timed_out else ''}\n{tail}"
+            return self._run(str(arguments["command"]))
+        if name == "run_tests":
+            return self._run(TEST_COMMAND + [str(self._path(arguments.get("path", ".")).relative_to(ws.resolve()))])
         raise ValueError(f"no tool {name!r}")
+
+    def _run(self, command: str | list[str]) -> str:
+        """A command in the workspace's sandbox: its exit status and the tail of its output."""
+        from ...sandbox import Sandbox, SandboxLimits
+
+        r = Sandbox(self.workspace, SandboxLimits(wall_s=self.command_s, cpu_s=int(self.command_s))).run(command)
+        return f"exit {r.exit_code}{' (timed out)' if r.timed_out else ''}\n{r.output[-4000:]}"
 
     def _path(self, rel: str) -> Path:
         p = (self.workspace / rel).resolve()
