@@ -26,7 +26,7 @@ Optional hooks (use `supports(env, hook)` to ask whether an env has one):
 - `tools(self) -> list[dict]` / `call_tool(self, name: str, arguments: dict) -> str` — tools the agent may
   call (OpenAI function schemas, `{"type": "function", "function": {"name", "description", "parameters"}}`)
   and their implementation, which returns the result text (an exception is shown to the agent as an
-  error result). The harness renders the tools with the model's chat template, parses tool calls from
+  error result), or a `StepResult` whose `done` ends the episode (a `submit` tool). The harness renders the tools with the model's chat template, parses tool calls from
   each completion (`harness/tools.py`) and answers them with `tool` messages; a completion without a
   tool call goes to `step()` as before (a final answer, or a text action). Both or neither.
 - `setup_workspace(self, path: str) -> str` / `score_workspace(self, path: str) -> Score | None` — the task

@@ -119,6 +119,7 @@ class Execution:
             policy_version=spec.policy_version, t_start=time.time())
         self.finished = False
         self.to_score = False      # ended (not failed): the evaluator is still to run
+        self._submitted = False    # a tool call ended the episode
         self.tokens_used = 0
         self._prompt: list[int] = []
         self._context_key = ""
@@ -206,7 +207,7 @@ class Execution:
             self._fail(exc)
             return
         if tool_results is not None or observation is not None:   # tools were called (or tried): next turn
-            result = StepResult(observation or "", done=False, valid=observation is None)
+            result = StepResult(observation or "", done=self._submitted, valid=observation is None)
         elif result.valid:  # the environment ran the action: one tool invocation, named after the call
             call.tool_call_ids = [f"{rec.execution_id}/{call.call_index}"]
         if not result.valid:
@@ -248,9 +249,13 @@ class Execution:
         results = []
         for c in parsed.calls:
             try:
-                results.append(str(self.env.call_tool(c.name, c.arguments)))
+                out = self.env.call_tool(c.name, c.arguments)
             except Exception as exc:  # noqa: BLE001 - a tool's failure is the agent's observation
-                results.append(f"error: {type(exc).__name__}: {exc}")
+                out = f"error: {type(exc).__name__}: {exc}"
+            if isinstance(out, StepResult):       # a tool that may end the episode (submit)
+                self._submitted = self._submitted or out.done
+                out = out.observation
+            results.append(str(out))
         return results, None
 
     def _finish(self, status: str) -> None:

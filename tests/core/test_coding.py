@@ -155,6 +155,17 @@ def test_the_expert_through_gyres_harness_calls_the_tool_and_scores():
         assert first.tool_parse == "ok" and len(first.tool_call_ids) == 1 and first.tool_spans     # the edit
         assert last.tool_parse == "none" and r.status == "done" and r.success and r.partial == 1.0
 
+    class Submits(CodingEnv):           # ends with the `submit` tool instead of the answer `done`
+        def expert_action(self):
+            action = super().expert_action()
+            return action if action != "done" else '<tool_call>\n{"name": "submit", "arguments": {}}\n</tool_call>'
+
+    rec = run_executions(specs[:1], ExpertPolicy(tok, stop), HarnessConfig(max_turns=4, context_tokens=50_000,
+                                                                            max_new_tokens=4096),
+                         lambda: Submits("inflection"), ChatFormat(tok), {stop: IM_END}, 1)[0]
+    assert [c.tool_parse for c in rec.calls] == ["ok", "ok"] and rec.turns == 2     # no turn after the submit
+    assert rec.status == "done" and rec.success and rec.invalid_actions == 0
+
 
 def test_the_experts_minimal_edit_restores_every_shipped_task_byte_for_byte(tmp_path):
     env = CodingEnv("inflection")

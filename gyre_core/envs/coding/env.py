@@ -8,11 +8,11 @@ Each episode is one task (`tasks.py`): the seed picks it from the train tasks, o
 default). The workspace is a copy of the package with the task's function broken and the test file
 withheld. The agent works with tools, every command in the sandbox (`gyre_core.sandbox`):
 
-    list_files(path)  read_file(path)  edit_file(path, old, new)  run(command)  run_tests(path)
+    list_files(path)  read_file(path)  edit_file(path, old, new)  run(command)  run_tests(path)  submit()
 
-and answers `done` (without a tool call) when it is done. The evaluator copies what the workspace left into a
-fresh directory with the withheld test file, runs it in a fresh sandbox, and scores the fraction of the
-task's hidden tests that pass (partial); success is the whole suite passing. A runner that crashes or
+and calls `submit`, or answers `done` without a tool call, when it is done. The evaluator copies what the
+workspace left into a fresh directory with the withheld test file, runs it in a fresh sandbox, and scores
+the fraction of the task's hidden tests that pass (partial); success is the whole suite passing. A runner that crashes or
 times out is an evaluator failure (raised: retried, then the execution is dropped), never a zero.
 
 The expert applies the oracle patch through the same `edit_file` tool, then answers: demonstrations for a
@@ -51,6 +51,8 @@ TOOLS = [
         "name": "run_tests", "description": "Run pytest on a file or directory of the workspace: the tests there and "
         "the examples in the docstrings (the hidden tests are not in the workspace).",
         "parameters": {"type": "object", "properties": {"path": {"type": "string"}}}}},
+    {"type": "function", "function": {"name": "submit", "description": "Submit the workspace as it is: the task ends.",
+                                      "parameters": {"type": "object", "properties": {}}}},
 ]
 TEST_COMMAND = ["python", "-m", "pytest", "-q", "--doctest-modules", "-p", "no:cacheprovider", "--tb=short",
                 "--no-header"]
@@ -74,7 +76,7 @@ class CodingEnv:
     # -- the episode --------------------------------------------------------------------------------------
     def instructions(self) -> str:
         return ("You are a software engineer working in a Python repository. Use the tools to read, edit and run "
-                "code. When the task is done, answer `done` without a tool call.")
+                "code. When the task is done, call `submit` (or answer `done` without a tool call).")
 
     def reset(self, seed: int) -> str:
         pool = self.heldout if seed >= self.heldout_from else self.train
@@ -92,8 +94,8 @@ class CodingEnv:
         """A completion without a tool call: `done` ends the episode; anything else is a reminder."""
         if "done" in action.lower():
             return StepResult("Submitted.", done=True)
-        return StepResult("Call a tool (list_files, read_file, edit_file, run, run_tests), or answer `done` when the "
-                          "task is done.", done=False, valid=False)
+        return StepResult("Call a tool (list_files, read_file, edit_file, run, run_tests), or `submit` (or answer "
+                          "`done`) when the task is done.", done=False, valid=False)
 
     def score(self) -> Score:
         """The evaluator on the workspace as it stands (kept until the next reset, or the env is dropped)."""
@@ -124,6 +126,8 @@ class CodingEnv:
             return f"Edited {arguments['path']}."
         if name == "run":
             return self._run(str(arguments["command"]))
+        if name == "submit":
+            return StepResult("Submitted.", done=True)
         if name == "run_tests":
             return self._run(TEST_COMMAND + [str(self._path(arguments.get("path", ".")).relative_to(ws.resolve()))])
         raise ValueError(f"no tool {name!r}")
