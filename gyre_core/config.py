@@ -458,7 +458,7 @@ class GyreConfig(_Section):
 
     @model_validator(mode="after")
     def _progress_credit_is_flat(self):
-        if self.rl.progress_credit and self.processor.mode == "tree" and not self.elastic.enabled:
+        if self.rl.progress_credit and self.processor.mode == "tree":
             raise ValueError("rl.progress_credit: per-turn credit is given to flat sequences; set "
                              "processor.mode=flat (tree mode credits whole paths)")
         return self

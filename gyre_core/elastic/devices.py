@@ -198,7 +198,8 @@ class RealDevice:
 
         self._sync()
         tr, kw = self._trainer(), self.train_kw
-        stats = train_micro_step(tr, ms, max_tokens=kw["micro_batch_tokens"], objective="decoupled",
+        stats = train_micro_step(tr, ms, max_tokens=kw["micro_batch_tokens"], packed=kw.get("packed", False),
+                                 objective="decoupled",
                                  temperature=kw["temperature"], clip_low=kw["clip_low"], clip_high=kw["clip_high"],
                                  is_cap=kw["is_cap"], negative_scale=kw["negative_scale"],
                                  entropy_coef=kw.get("entropy_coef", 0.0))

@@ -174,7 +174,7 @@ class RunError:
 @dataclass(slots=True)
 class ExecutionFinished:
     burst: int
-    items: list                  # `work.Report`'s items: (execution id, payload, behaviour versions)
+    items: list                  # `work.Report`'s items: (execution id, payload, versions, count, why not)
 
 
 ToCell = Gen | Cancel | Role | Micro | Grads | Reduce | Optim | UseArrays | Weights | Release | BecomeCore | Stop

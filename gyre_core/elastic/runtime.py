@@ -349,11 +349,11 @@ class Coordinator:
             case ExecutionFinished(burst, items):
                 self.finished += 1
                 self.load.append((self.now(), self.dispatched - self.finished))
-                for ex_id, payload, versions in items:
+                for ex_id, payload, versions, count, why in items:
                     if versions:
-                        self.stream.add(ex_id, burst, payload, versions)
+                        self.stream.add(ex_id, burst, payload, versions, count=count)
                     else:
-                        self.stream.discard(ex_id, burst, "nothing trainable (failed, or no generated token)")
+                        self.stream.discard(ex_id, burst, why or "nothing trainable (failed, or no generated token)")
             case RoleDone(role, _):
                 c = self.cells[cell]
                 self.switch_s[role].append(self.now() - c.switch_t0)

@@ -59,6 +59,7 @@ class StreamItem:
     min_version: int      # oldest behaviour policy version among its tokens
     max_version: int
     tokens: int           # trainable tokens (a cost hint for schedulers; not used for the loss)
+    count: int = 1        # executions it stands for in the normaliser (identical ones collapsed into it)
 
 
 @dataclass(slots=True, frozen=True)
@@ -79,7 +80,8 @@ class MicroStep:
 
     @property
     def n_executions(self) -> int:
-        return len(self.items)
+        """What its executions count in the step's normaliser (a collapsed duplicate's kept twin: its multiplicity)."""
+        return sum(it.count for it in self.items)
 
     @property
     def tokens(self) -> int:
@@ -146,14 +148,17 @@ class MicroStepQueue:
             self._expect(s, b, b.arrived if expected_count is None else expected_count)
 
     def add(self, execution_id: str, burst: int, payload: Any, versions: int | Iterable[int], *,
-            tokens: int = 0) -> bool:
-        """A finished execution of `burst`; `versions` are its tokens' behaviour versions (or their min).
+            tokens: int = 0, count: int = 1) -> bool:
+        """A finished execution of `burst`; `versions` are its tokens' behaviour versions (or their min);
+        `count`: the executions it stands for in the normaliser.
 
         Returns False when it is too stale to train (dropped and counted)."""
         vs = [int(versions)] if isinstance(versions, numbers.Integral) else [int(v) for v in versions]
         if not vs:
             raise ValueError(f"execution {execution_id}: no behaviour versions")
-        item = StreamItem(execution_id, burst, payload, min(vs), max(vs), tokens)
+        if count < 1:
+            raise ValueError(f"execution {execution_id}: count {count} (an execution not trained is discarded)")
+        item = StreamItem(execution_id, burst, payload, min(vs), max(vs), tokens, count)
         with self._lock:
             b = self._open(burst, execution_id)
             b.arrived += 1
@@ -169,14 +174,14 @@ class MicroStepQueue:
             self._maybe_seal(b)
             return staleness <= self.max_staleness
 
-    def add_sequences(self, execution_id: str, burst: int, seqs) -> bool:
+    def add_sequences(self, execution_id: str, burst: int, seqs, count: int = 1) -> bool:
         """`add` for an execution's `TrainSequence`s: versions and tokens from its trainable tokens.
         An execution with no trainable token is discarded (build_batch does not count it either)."""
         vs = [v for sq in seqs for v, w in zip(sq.versions, sq.weights) if w != 0.0]
         if not vs:
             self.discard(execution_id, burst, "no trainable token")
             return False
-        return self.add(execution_id, burst, list(seqs), vs, tokens=len(vs))
+        return self.add(execution_id, burst, list(seqs), vs, tokens=len(vs), count=count)
 
     def discard(self, execution_id: str, burst: int, reason: str) -> None:
         """An execution of `burst` that arrives but is not trained (it still counts toward expected)."""

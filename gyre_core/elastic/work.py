@@ -25,8 +25,9 @@ from .workload import Workload
 TOKENS_PER_CALL = 8   # emulated calls: tokens generated per call (call_s is spread over them)
 
 # Called once per finished execution: report(burst, items), items = what is now ready to stream, each
-# (execution id, payload, behaviour versions of its trainable tokens; empty: nothing to train).
-Report = Callable[[int, list[tuple[str, object, list[int]]]], None]
+# (execution id, payload, behaviour versions of its trainable tokens, the executions it stands for in the
+# normaliser, why it is not trained: "" when it is; empty versions: nothing to train).
+Report = Callable[[int, list[tuple[str, object, list[int], int, str]]], None]
 
 
 class Work(Protocol):
@@ -94,7 +95,7 @@ class EmulatedWork:
             time.sleep(self.w.env_s)
         router.forget(f"{log.execution_id}/c0")
         router.release(log.execution_id)
-        report(log.burst, [(log.execution_id, n_calls, [v for _, _, vs in log.calls for v in vs])])
+        report(log.burst, [(log.execution_id, n_calls, [v for _, _, vs in log.calls for v in vs], 1, "")])
 
     def burst_size(self, s: int) -> int:
         return self.w.executions_per_step

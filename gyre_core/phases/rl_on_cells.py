@@ -20,6 +20,7 @@ from ..config import ConfigError
 from ..elastic.messages import CallRequest
 from ..elastic.work import Report
 from ..run import CheckpointError, RunDir, publish_marker, step_part
+from ..seeds import sampling_seed
 from ..ui import phase
 from .rl_step import task_groups
 from .run_objects import drop_engine, env_factory, policy_bundle, served_model_name, tracker, write_records
@@ -180,7 +181,7 @@ class HarnessWork:
                  "micro_batch_tokens": rl.micro_batch_tokens, "entropy_coef": rl.entropy_coef,
                  "optimizer": rl.optimizer, "dtype": cfg.trainer.dtype,
                  "gradient_checkpointing": cfg.trainer.gradient_checkpointing,
-                 "device": cfg.model.device}
+                 "device": cfg.model.device, "packed": cfg.processor.mode == "tree"}
         args = ["--mode", "real", "--policy", str(self.run.warm), "--weights", self.run.weights_root,
                 "--start-version", str(self.first_step),
                 "--train-json", json.dumps(train), "--seed", str(cfg.run.seed), "--threads", str(self.threads)]
@@ -233,11 +234,12 @@ class HarnessWork:
                        finished)
 
     def _finished(self, rec, report: Report) -> None:
-        """Score a task's group once all of it is in; stream each execution's sequences."""
-        from ..processor.batch import RecordMismatch, assign_reward, execution_sequences, group_advantages
+        """Once a task's group is all in, process it as the step loop processes a step (`step_batch`: dedup,
+        advantages, trees, pruning, sampling, credit) and stream each execution's sequences."""
+        from ..processor.batch import assign_reward
+        from ..processor.step_batch import group_items
 
-        rl = self.cfg.rl
-        assign_reward(rec, rl.partial_reward)
+        assign_reward(rec, self.cfg.rl.partial_reward)
         with self._lock:
             self.records.append(rec)
             group = self._groups.setdefault(rec.task_id, [])
@@ -246,18 +248,7 @@ class HarnessWork:
                 report(rec.step, [])          # finished; it trains with its group (advantages need all of it)
                 return
             del self._groups[rec.task_id]
-        ok = [r for r in group if r.status != "failed"]
-        adv = group_advantages({r.execution_id: r.reward for r in ok}, {rec.task_id: [r.execution_id for r in ok]},
-                               rl.advantage_norm, std_floor=rl.advantage_std_floor)
-        items = []
-        for r in group:
-            try:
-                seqs = (execution_sequences(r, adv[r.execution_id], rl.progress_credit)
-                        if r.execution_id in adv else [])
-            except RecordMismatch:   # a record whose calls do not line up is not trained (as in build_batch)
-                seqs = []
-            items.append((r.execution_id, seqs, [v for sq in seqs for v, w in zip(sq.versions, sq.weights) if w]))
-        report(rec.step, items)
+        report(rec.step, group_items(group, self.cfg, sampling_seed(self.cfg.run.seed, rec.step)))
 
     def micro_work(self, ms):
         return ms

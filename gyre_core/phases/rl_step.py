@@ -97,24 +97,14 @@ def score(run_dir: str, step: int) -> dict:
     run = RunDir.open(run_dir)
     if (m := run.done(step_marker("score", step))) is not None:
         return m
-    from collections import Counter
-
-    from ..processor.batch import group_advantages
+    from ..processor.step_batch import score_executions
 
     t0 = time.time()
     ex = run_lake(run).read("executions", run.run_id, step_part(step)).to_pylist()
-    ok = [e for e in ex if e["status"] != "failed"]
-    rewards = {e["execution_id"]: e["reward"] for e in ok}   # set once, in rollout (assign_reward)
-    found = _kept_as(run, step) if run.cfg.processor.dedup else {}
-    kept_as = {i: found.get(i, i) for i in rewards}   # status is in the key: a kept twin is not failed
-    mult = Counter(kept_as.values())
-    groups: dict[str, list[str]] = {}
-    for e in ok:
-        if kept_as[e["execution_id"]] == e["execution_id"]:
-            groups.setdefault(e["task_id"], []).append(e["execution_id"])
-    kept_adv = group_advantages({i: rewards[i] for i in mult}, groups, run.cfg.rl.advantage_norm, dict(mult),
-                                std_floor=run.cfg.rl.advantage_std_floor)
-    adv = {i: kept_adv[k] for i, k in kept_as.items()}      # a duplicate gets its kept twin's advantage
+    # rewards were set once, in rollout (assign_reward); status is in the dedup key: a kept twin is not failed
+    adv, mult, kept_as = score_executions(((e["execution_id"], e["task_id"], e["status"], e["reward"]) for e in ex),
+                                          _kept_as(run, step) if run.cfg.processor.dedup else {}, run.cfg.rl)
+    rewards = {e["execution_id"]: e["reward"] for e in ex if e["execution_id"] in adv}
     from ..lake.schema import SCORES
 
     table = pa.Table.from_pylist([{
@@ -129,7 +119,7 @@ def score(run_dir: str, step: int) -> dict:
     mean = sum(rs) / len(rs)
     std = (sum((r - mean) ** 2 for r in rs) / len(rs)) ** 0.5
     return run.mark(step_marker("score", step), {
-        "reward_mean": mean, "reward_std": std, "excluded": len(ex) - len(ok),
+        "reward_mean": mean, "reward_std": std, "excluded": len(ex) - len(adv),
         "collapsed": len(kept_as) - len(mult), "score_s": time.time() - t0})
 
 
@@ -159,7 +149,8 @@ def process(run_dir: str, step: int) -> str:
     import torch
 
     from ..lake.schema import train_tokens_table
-    from ..processor.batch import TrainBatch, build_batch
+    from ..processor.batch import TrainBatch
+    from ..processor.step_batch import training_batch
 
     t0 = time.time()
     pc = run.cfg.processor
@@ -171,24 +162,15 @@ def process(run_dir: str, step: int) -> str:
     mult = {i: m for i, m in mult.items() if m > 0}
     records = read_records(run, step_part(step), skip=collapsed)
     adv = {s["execution_id"]: s["advantage"] for s in sc}
+    rewards = {s["execution_id"]: s["reward"] for s in sc}
+    batch = training_batch(records, adv, rewards, mult, run.cfg, sampling_seed(run.cfg.run.seed, step))
     tables, extra = {}, {}
     if pc.mode == "tree":
-        from ..processor.credit import CreditConfig
-        from ..processor.pruning import PruneConfig
-        from ..processor.sampling import SamplingConfig, batch_tables, tree_batch
+        from ..processor.sampling import batch_tables
 
-        rewards = {s["execution_id"]: s["reward"] for s in sc}
-        tb = tree_batch(records, adv, rewards, multiplicity=mult,
-                        sampling=SamplingConfig(j_max=pc.j_max, token_budget=pc.token_budget, weighting=pc.weighting,
-                                                role_order=tuple(pc.role_order),
-                                                seed=sampling_seed(run.cfg.run.seed, step)),
-                        credit=CreditConfig(mode=pc.credit, shrink_k=pc.shrink_k),
-                        prune=PruneConfig(pc.prune_repeats, pc.prune_period) if pc.prune_repeats else None)
-        tables = batch_tables(run.run_id, step, tb, pc.weighting)
-        batch = TrainBatch(tb.sequences, tb.normaliser, tb.n_executions, tb.excluded)
-        extra = {"tokens_unique": tb.tokens_unique, "tokens_flat": tb.tokens_flat}
-    else:
-        batch = build_batch(records, adv, mult, run.cfg.rl.progress_credit)
+        tables = batch_tables(run.run_id, step, batch, pc.weighting)
+        extra = {"tokens_unique": batch.tokens_unique, "tokens_flat": batch.tokens_flat}
+        batch = TrainBatch(batch.sequences, batch.normaliser, batch.n_executions, batch.excluded)
     tables["train_tokens"] = train_tokens_table({
         "run_id": run.run_id, "step": step, "execution_id": s.execution_id, "call_index": s.call_index,
         "advantage": next((a for a, w in zip(s.advantages, s.weights) if w), 0.0),

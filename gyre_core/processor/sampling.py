@@ -9,7 +9,8 @@
 Per execution (leaves it has an occurrence at), repeated up to `j_max` times:
 1. the highest-priority role (`role_order`) that still has a leaf with uncovered generated tokens
    (and, under a token budget, a leaf that still fits) is chosen;
-2. a leaf of that role is drawn with probability ∝ its uncovered generated tokens;
+2. a leaf of that role is drawn with probability ∝ its uncovered generated tokens (each execution draws
+   from a random stream of its own, seeded by the step's seed and its id);
 3. its root-to-leaf path is marked covered for the execution (so a shared prefix counts once).
 Executions take turns (round j gives every execution its j-th path, in a random order), so a step-wide
 `token_budget` cannot be spent by a few executions. The budget counts packed tokens: a path costs only
@@ -36,6 +37,7 @@ tokens, and a leaf's covered part is a prefix of its path, found from its deepes
 """
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass, field
 from typing import Mapping
 
@@ -162,7 +164,8 @@ def select(trees: list[TrajectoryTree], cands: dict[tuple[int, int], list[Candid
            cfg: SamplingConfig) -> list[np.ndarray]:
     """Run the sampler over all executions; fills in the candidates' outcome. Returns, per tree, the
     covered-token count per node of the union U of all selected paths."""
-    rng = np.random.default_rng(cfg.seed)
+    rng = np.random.default_rng(cfg.seed)      # the order executions take their turns in (matters under a budget)
+    draws = {k: np.random.default_rng(execution_seed(cfg.seed, trees[k[0]].execution_ids[k[1]])) for k in cands}
     union = [np.zeros(t.n_nodes, dtype=np.int64) for t in trees]
     cov = {k: np.zeros(trees[k[0]].n_nodes, dtype=np.int64) for k in cands}
     remaining = cfg.token_budget
@@ -174,7 +177,7 @@ def select(trees: list[TrajectoryTree], cands: dict[tuple[int, int], list[Candid
             k = live[i]
             if cfg.j_max is not None and taken[k] >= cfg.j_max:
                 continue
-            pick = _draw(cands[k], cov[k], union[k[0]], remaining, rng)
+            pick = _draw(cands[k], cov[k], union[k[0]], remaining, draws[k])
             if pick is None:
                 continue
             c, d, unc, p = pick
@@ -204,6 +207,12 @@ def select(trees: list[TrajectoryTree], cands: dict[tuple[int, int], list[Candid
             elif not c.reason:
                 c.reason = "token budget exhausted"
     return union
+
+
+def execution_seed(seed: int, execution_id: str) -> int:
+    """The seed of an execution's own draws: what it selects depends on nothing else (without a budget), so
+    a step's tasks can be processed one at a time (`processor.step_batch`)."""
+    return int.from_bytes(hashlib.sha256(f"{seed}/{execution_id}".encode()).digest()[:8], "little")
 
 
 def _draw(cs: list[Candidate], cov: np.ndarray, union: np.ndarray, remaining: int | None,

@@ -377,10 +377,15 @@ def _leaves(tree: TrajectoryTree, n_calls: list[int]) -> list[Leaf]:
 
 
 def build_forest(records: list[ExecutionRecord]) -> tuple[list[TrajectoryTree], dict[str, str]]:
-    """One tree per task_id (in order of first appearance) and all rejects."""
+    """One tree per task_id (in order of first appearance), its executions in the order of their ids (a tree
+    is the same however its records arrive), and all rejects."""
     groups: dict[str, list[ExecutionRecord]] = {}
-    for r in records:
+    for r in sorted(records, key=lambda r: r.execution_id):
         groups.setdefault(r.task_id, []).append(r)
+    first = {}
+    for r in records:
+        first.setdefault(r.task_id, len(first))
+    groups = dict(sorted(groups.items(), key=lambda kv: first[kv[0]]))
     trees, rejects = [], {}
     for tid, recs in groups.items():
         t, rej = build_tree(recs, tid)

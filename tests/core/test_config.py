@@ -45,7 +45,7 @@ def test_bad_values_name_the_field(override, message):
 
 
 def test_unknown_preset_lists_allowed():
-    with pytest.raises(ConfigError, match=r"preset: unknown preset 'nope' \(allowed: coding-quick, coding-real, coding-smoke, default, long, proxy-smoke, quick, real-quick, real-smoke, smoke\)"):
+    with pytest.raises(ConfigError, match=r"preset: unknown preset 'nope' \(allowed: coding-quick, coding-real, coding-smoke, default, elastic-quick, long, proxy-smoke, quick, real-quick, real-smoke, smoke\)"):
         load_config("nope")
 
 

@@ -22,26 +22,25 @@ STEPS = 3          # burst 2 cannot start before version 1 exists (max_staleness
 # reward has zero advantages, but its turns that moved towards the goal are still credited. Without it the
 # smoke workload had no signal in step 0 about one run in five (from the smoke warm start 28 of 60 groups of 4
 # failed with equal partial scores), and the reference update had nothing to compare.
-CREDIT = "rl.progress_credit=1.0"
+CREDIT = ["rl.progress_credit=1.0", "processor.mode=flat"]     # (per-turn credit is for flat sequences)
 
 
-def _sequences(cfg, recs) -> dict[str, list]:
-    """execution id -> its training sequences, as the step loop builds them from the records: group-relative
-    advantages over the scored executions, plus the per-turn progress credit."""
-    from gyre_core.processor.batch import execution_sequences, group_advantages
+def _batch(cfg, recs, step: int = 0):
+    """The step's training batch as the step loop builds it from the records (`processor.step_batch`: dedup,
+    group-relative advantages, the per-turn progress credit)."""
+    from gyre_core.processor.step_batch import duplicates, score_executions, training_batch
+    from gyre_core.seeds import sampling_seed
 
-    ok = [r for r in recs if r.status != "failed"]
-    groups: dict[str, list[str]] = {}
-    for r in ok:
-        groups.setdefault(r.task_id, []).append(r.execution_id)
-    adv = group_advantages({r.execution_id: r.reward for r in ok}, groups, cfg.rl.advantage_norm)
-    return {r.execution_id: execution_sequences(r, adv[r.execution_id], cfg.rl.progress_credit) for r in ok}
+    adv, mult, kept = score_executions(((r.execution_id, r.task_id, r.status, r.reward) for r in recs),
+                                       duplicates(recs), cfg.rl)
+    trained = [r for r in recs if r.execution_id in adv and kept[r.execution_id] == r.execution_id]
+    return training_batch(trained, {r.execution_id: adv[r.execution_id] for r in trained},
+                          {r.execution_id: r.reward for r in trained}, mult, cfg, sampling_seed(cfg.run.seed, step))
 
 
 def _signal(cfg, recs) -> bool:
     """Does this step's batch carry a gradient: a trained token with a nonzero advantage?"""
-    return any(w and a for seqs in _sequences(cfg, recs).values() for sq in seqs
-               for w, a in zip(sq.weights, sq.advantages))
+    return any(w and a for sq in _batch(cfg, recs).sequences for w, a in zip(sq.weights, sq.advantages))
 
 
 def _logprobs(model, prompt: list[int], completion: list[int], temperature: float) -> list[float]:
@@ -63,20 +62,19 @@ def _assert_reference_update(cfg, run, recs, v0: dict, v1: dict) -> None:
     from gyre_core.trainer.trainer import Trainer
 
     rl = cfg.rl
-    seqs_of = _sequences(cfg, recs)
-    kept = [e for e, seqs in seqs_of.items() if any(w for sq in seqs for w in sq.weights)]
+    batch = _batch(cfg, recs)
     model, tok = load(str(run.warm))
     model.load_state_dict(v0, strict=False)
     ref = Trainer(model, lr=rl.lr, zero_stage=cfg.trainer.zero_stage, grad_clip=rl.grad_clip,
                   pad_id=tok.pad_token_id or 0)
-    for chunk in micro_batches([sq for e in kept for sq in seqs_of[e]], rl.micro_batch_tokens):
+    for chunk in micro_batches(batch.sequences, rl.micro_batch_tokens):
         ref.micro_step(chunk, 1.0, objective="decoupled", temperature=cfg.rollout.temperature,
                        clip_low=rl.clip_low, clip_high=rl.clip_high, is_cap=cfg.elastic.is_cap,
                        negative_scale=rl.negative_scale, last=False)
     grads = {k: g.clone() for k, g in ref.gradients().items()}
     assert _signal(cfg, recs) and any(g.abs().max() > 0 for g in grads.values())    # step 0 had a signal
-    norm = finish_step(ref, len(kept))          # the pre-clip norm of the summed gradient ÷ N
-    coef = min(1.0, rl.grad_clip / norm) / len(kept)
+    norm = finish_step(ref, batch.n_executions)          # the pre-clip norm of the summed gradient ÷ N
+    coef = min(1.0, rl.grad_clip / norm) / batch.n_executions
     got = dict(ref.model.named_parameters())
     n_sat = n_all = 0
     for name, g in grads.items():
@@ -97,7 +95,7 @@ def test_real_cells_train_with_exact_per_token_versions(tmp_path, channel):
         "elastic.enabled=true", "elastic.mode=real", "elastic.cells=2", "elastic.policy=elastic",
         f"elastic.grad_channel={channel}",
         "elastic.micro_step_executions=2", "elastic.max_staleness=1", "elastic.capacity=4",
-        f"rl.steps={STEPS}", "rl.lr=3e-3", CREDIT,
+        f"rl.steps={STEPS}", "rl.lr=3e-3", *CREDIT,
         "eval.episodes=8", "eval.greedy_episodes=0", "eval.random_baseline=false"])
     run_dir = phases.prepare(cfg)
     phases.warm_start(run_dir)
@@ -167,9 +165,8 @@ def test_real_cells_train_with_exact_per_token_versions(tmp_path, channel):
     assert summary["tokens_generated"] == sum(len(c.completion_ids) for recs in records.values()
                                               for r in recs for c in r.calls)
     assert summary["elastic"]["policy"] == "elastic" and summary["elastic"]["k"] == 2
-    # every generated token of a kept execution is trained once (all cells' micro-steps summed)
-    trainable = sum(len(c.completion_ids) for recs in records.values() for r in recs if r.status != "failed"
-                    for c in r.calls)
+    # every generated token of a trained execution (duplicates collapsed) is trained once (all cells' micro-steps)
+    trainable = sum(sq.n_trainable for s, recs in records.items() for sq in _batch(cfg, recs, s).sequences)
     assert summary["tokens_trained"] == trainable
     assert summary["phase_s"]["elastic"] > 0
 
@@ -196,7 +193,7 @@ def test_a_satellite_lost_holding_its_gradient_falls_back_to_arrays(tmp_path, mo
     cfg = load_config("smoke", [
         f"run.out_root={tmp_path}/runs", f"lake.root={tmp_path}/lake", f"tracking.uri=sqlite:///{tmp_path}/m.db",
         "elastic.enabled=true", "elastic.mode=real", "elastic.cells=2", "elastic.policy=colocated",
-        "elastic.micro_step_executions=1", "elastic.capacity=8", "rl.steps=2", "rl.lr=3e-3", CREDIT,
+        "elastic.micro_step_executions=1", "elastic.capacity=8", "rl.steps=2", "rl.lr=3e-3", *CREDIT,
         # 4 tasks × 4: with 2 × 4 step 0 still had no signal at all about one run in twelve
         "rollout.tasks_per_step=4", "eval.episodes=8", "eval.greedy_episodes=0", "eval.random_baseline=false"])
     run_dir = phases.prepare(cfg)
@@ -283,7 +280,7 @@ def test_vllm_cells_abort_reroute_and_keep_exact_versions(tmp_path):
         "elastic.enabled=true", "elastic.mode=real", "elastic.cells=2", "elastic.policy=elastic",
         "elastic.micro_step_executions=2", "elastic.max_staleness=1", "elastic.capacity=4",
         "engine.kind=vllm", "engine.dtype=float32", "engine.kv_cache_gib=1",
-        f"rl.steps={STEPS}", "rl.lr=3e-3", CREDIT,
+        f"rl.steps={STEPS}", "rl.lr=3e-3", *CREDIT,
         "eval.episodes=8", "eval.greedy_episodes=0", "eval.random_baseline=false"])
     run_dir = phases.prepare(cfg)
     phases.warm_start(run_dir)
