@@ -195,7 +195,8 @@ class RLConfig(_Section):
     """A trust region by backtracking: when an update leaves the policy further than this from the
     behaviour policy (mean per-token KL(μ‖π) on the micro-batches `train/kl` measures), it is undone and
     redone at half the learning rate, up to `kl_backtracks` times (the last try is kept). None: off. The
-    step-by-step loop only (the elastic phase streams its update)."""
+    elastic phase redoes its streamed update from the step's checkpoint on the core, the KL measured on every
+    4th execution of the step."""
     kl_backtracks: int = Field(4, ge=1)
     """`max_kl`: most halvings of the learning rate in one step."""
     partial_reward: float = Field(0.1, ge=0, le=1)
@@ -468,13 +469,6 @@ class GyreConfig(_Section):
         if self.engine.kind == "vllm" and self.rollout.fork_at == "entropy" and self.rollout.fork_k > 1:
             raise ValueError("rollout.fork_at: entropy-chosen forks need each call's first-token entropy, which "
                              "the vllm engine does not return; use rollout.fork_at=uniform or engine.kind=local")
-        return self
-
-    @model_validator(mode="after")
-    def _kl_guard_is_synchronous(self):
-        if self.rl.max_kl is not None and self.elastic.enabled:
-            raise ValueError("rl.max_kl: the elastic phase streams its update and cannot redo it; "
-                             "set rl.max_kl=null or elastic.enabled=false")
         return self
 
     @model_validator(mode="after")

@@ -118,11 +118,11 @@ class Agent:
                 from .collective import ReduceFailed
 
                 try:
-                    reduce_s = self.device.optim(version, work, t)
+                    reduce_s, stats = self.device.optim(version, work, t)
                 except ReduceFailed as e:
                     self.send(OptimFailed(version, str(e)))
                     return True
-                self.send(OptimDone(version + 1, time.monotonic() - t0, reduce_s))
+                self.send(OptimDone(version + 1, time.monotonic() - t0, reduce_s, stats))
             case UseArrays():                # a cell was lost: gradients go as arrays from now on
                 self.device.use_arrays()
             case Weights(version):

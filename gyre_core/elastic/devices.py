@@ -8,6 +8,7 @@ drives (`start`/`due`/`advance` for rollout calls, `switch`, `micro`/`optim`/`re
 """
 from __future__ import annotations
 
+import shutil
 import sys
 import time
 from dataclasses import dataclass, field
@@ -73,10 +74,10 @@ class EmulatedDevice:
         time.sleep(max(seconds, 0.0))
         return None, {}                  # no gradient to hand over, no training statistics
 
-    def optim(self, version: int, seconds: float, t: int = 1) -> float | None:
+    def optim(self, version: int, seconds: float, t: int = 1) -> tuple[float | None, dict | None]:
         time.sleep(max(seconds, 0.0))
         self.version = version + 1
-        return None
+        return None, None
 
     def reduce(self, t: int) -> float:
         return 0.0
@@ -249,9 +250,11 @@ class RealDevice:
         self.groups = None
         self._trainer().zero_gradients()
 
-    def optim(self, version: int, n_executions: int, t: int = 1) -> float | None:
+    def optim(self, version: int, work, t: int = 1) -> tuple[float | None, dict | None]:
         """Reduce the satellites' gradients over [0, t) onto this core (t > 1), apply the update and
-        publish version+1; returns the reduce's seconds (None: no reduce). Raises `collective.ReduceFailed`."""
+        publish version+1; returns the reduce's seconds (None: no reduce) and the KL guard's figures (None:
+        no guard). `work`: the executions trained, or with `rl.max_kl` {"n", "probe", "max_kl",
+        "backtracks"} (`HarnessWork.optim_work`). Raises `collective.ReduceFailed`."""
         from ..trainer.publish import publish_weights, version_uri
         from .stream import finish_step
 
@@ -260,8 +263,40 @@ class RealDevice:
         if t > 1:
             self.groups.reduce_to_core(tr, t)
         reduce_s = time.monotonic() - t0 if t > 1 else None
-        finish_step(tr, n_executions)
+        stats = None
+        if isinstance(work, dict):
+            tr, stats = self._update_within_kl(tr, version, work)
+        else:
+            finish_step(tr, work)
         publish_weights(tr.state_dict(), version_uri(self.weights_root, version + 1))
         self.engine._contexts.clear()
         self.engine.version = self.version = self.published = version + 1
-        return reduce_s
+        return reduce_s, stats
+
+    def _update_within_kl(self, tr, version: int, work: dict):
+        """The update under the KL guard: the step's checkpoint (weights and optimizer state) saved first,
+        for a redo at a lower rate (`stream.finish_step_within_kl`)."""
+        import tempfile
+
+        from .stream import finish_step_within_kl
+
+        kw = self.train_kw
+        ckpt = tempfile.mkdtemp(prefix=f"gyre-cell{self.cell}-kl-")
+        tag = f"v{version}"
+        tr.save(ckpt, tag, {"version": version})
+
+        def reopen():
+            self.trainer = None
+            fresh = self._trainer()
+            fresh.load(ckpt, tag)
+            return fresh
+
+        try:
+            tr, stats = finish_step_within_kl(
+                tr, work["n"], work["probe"], max_kl=work["max_kl"], backtracks=work["backtracks"], lr=kw["lr"],
+                reopen=reopen, max_tokens=kw["micro_batch_tokens"], temperature=kw["temperature"],
+                clip_low=kw["clip_low"], clip_high=kw["clip_high"])
+        finally:
+            shutil.rmtree(ckpt, ignore_errors=True)
+        self.trainer = tr
+        return tr, stats

@@ -152,6 +152,7 @@ class OptimDone:
     version: int                 # the version just published
     seconds: float
     reduce_s: float | None = None   # the core's wait in the reduce (None: no reduce)
+    stats: dict | None = None       # the KL guard's: kl, kl_backtracks, lr (None: no guard)
 
 
 @dataclass(slots=True)

@@ -337,7 +337,8 @@ class Coordinator:
             t = 1 + max((pos[c] for c in self.trained_in.get(self.version, ()) if c in pos), default=0)
             for c in self.order[1:t]:
                 self._send(c, Reduce(self.version, t))
-        self._send(core.index, Optim(self.version, self.work.optim_work(self.version, n), t))
+        self._send(core.index, Optim(self.version, self.work.optim_work(self.version, n,
+                                                                        self.stream.payloads(self.version)), t))
 
     def _handle(self, cell: int, msg) -> None:
         """One event: a cell's message, or (cell −1) an execution finished or a harness thread failed."""
@@ -378,7 +379,9 @@ class Coordinator:
                         sums[key] = sums.get(key, 0.0) + v
                 self.busy_spans.append(BusySpan(cell, c.busy_t0, self.now(), TRAIN))
                 c.busy = False
-            case OptimDone(version, seconds, reduce_s):
+            case OptimDone(version, seconds, reduce_s, stats):
+                if stats:                           # the KL guard's figures join the step's training stats
+                    self.train_stats.setdefault(version - 1, {}).update(stats)
                 c = self.cells[cell]
                 self.busy_spans.append(BusySpan(cell, c.busy_t0, self.now(), TRAIN))
                 c.busy = self.updating = False

@@ -10,6 +10,7 @@
     hand_over(satellite_trainer, core_trainer)         # a satellite's gradients, before the update
     if q.burst_done(v):
         finish_step(core_trainer, q.trained_executions(v))   # ÷ executions trained, then one update
+        # (or finish_step_within_kl: the same, undone and redone at a lower rate while the policy moved too far)
 
 Why streaming: a training cell need not wait for the whole burst; cells that join late (satellites) take
 micro-steps from the same queue and still finish with the others.
@@ -268,6 +269,12 @@ class MicroStepQueue:
             b = self._bursts.get(s)
             return dict(b.left_out) if b is not None else {}
 
+    def payloads(self, s: int) -> list[Any]:
+        """The payloads of burst s's micro-steps, in the order they were cut (while it is not released)."""
+        with self._lock:
+            b = self._bursts.get(s)
+            return [p for i in sorted(b.steps) for p in b.steps[i].payloads] if b is not None else []
+
     def release_burst(self, s: int) -> None:
         """Let go of a finished burst's payloads (its update is applied); `claim` does it implicitly."""
         with self._lock:
@@ -376,6 +383,36 @@ def hand_over(satellite, core) -> None:
     `satellite.gradients()` (a name -> tensor dict) and call `core.add_gradients` on the other side."""
     core.add_gradients(satellite.gradients())
     satellite.zero_gradients()
+
+
+def finish_step_within_kl(trainer, n_executions: int, probe, *, max_kl: float, backtracks: int, lr: float, reopen,
+                          max_tokens: int, **shift_kw) -> tuple[Any, dict[str, float]]:
+    """`finish_step` under the step loop's KL guard (`rl.max_kl`): after the update, the k3 estimate of
+    KL(behaviour ‖ new policy) per token over `probe` (sequences of the step); above `max_kl` the update is
+    undone — `reopen()` returns a trainer back at the step's checkpoint (weights and optimizer state) — and
+    redone from the same summed gradient at half the rate, up to `backtracks` times (the last try is kept).
+    The gradient at the step's weights does not depend on the rate, so a redo equals the step loop's (which
+    recomputes it from the checkpoint). `shift_kw` goes to `Trainer.policy_shift`. Returns the trainer that
+    holds the update and {kl, kl_backtracks, lr, grad_norm}; the trainer's rate is `lr` again."""
+    from ..processor.batch import micro_batches
+
+    grads = trainer.gradients()
+    for b in range(backtracks + 1):
+        if b:
+            trainer = reopen()
+            trainer.zero_gradients()
+            trainer.add_gradients(grads)
+        trainer.set_lr(lr * 0.5 ** b)
+        norm = finish_step(trainer, n_executions)
+        shift = {"kl": 0.0, "tokens": 0.0}
+        for chunk in micro_batches(probe, max_tokens):
+            for key, v in trainer.policy_shift(chunk, **shift_kw).items():
+                shift[key] = shift.get(key, 0.0) + v
+        kl = shift["kl"] / max(shift["tokens"], 1.0)
+        if kl <= max_kl:
+            break
+    trainer.set_lr(lr)
+    return trainer, {"kl": kl, "kl_backtracks": float(b), "lr": lr * 0.5 ** b, "grad_norm": norm}
 
 
 def finish_step(trainer, n_executions: int) -> float:

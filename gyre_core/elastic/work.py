@@ -47,7 +47,8 @@ class Work(Protocol):
 
     def micro_work(self, ms): ...                 # what a cell gets to compute one micro-step
 
-    def optim_work(self, version: int, n_executions: int): ...   # ... and the core, to apply the update
+    def optim_work(self, version: int, n_executions: int, payloads: list): ...   # ... and the core, to apply
+    #                                           the update (`payloads`: the step's, for a KL probe)
 
 
 @dataclass(slots=True)
@@ -103,5 +104,5 @@ class EmulatedWork:
     def micro_work(self, ms) -> float:
         return sum(self.w.train_s(n) for n in ms.payloads)
 
-    def optim_work(self, version: int, n_executions: int) -> float:
+    def optim_work(self, version: int, n_executions: int, payloads: list) -> float:
         return self.w.optimizer_s + self.w.publish_s

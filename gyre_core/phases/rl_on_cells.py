@@ -110,6 +110,8 @@ def land_elastic_step(run: RunDir, t, step: int, recs: list, ts: dict, step_s: f
     # the loss as the step loop reports it (micro-steps sum per-execution means; the update divides
     # by the executions trained); behaviour vs trained log-probs are not compared here: with
     # staleness they differ by design (decoupled PPO's IS weight covers that)
+    if "kl" in ts:             # the KL guard (rl.max_kl) measured the update
+        metrics.update({"train/kl": ts["kl"], "train/kl_backtracks": ts["kl_backtracks"], "train/lr": ts["lr"]})
     metrics.update({"tokens/trained": ts.get("tokens", 0.0),
                     "train/loss": ts.get("loss", 0.0) / max(ts.get("executions", 0.0), 1.0),
                     "train/entropy": ts.get("entropy", 0.0) / tok,
@@ -253,5 +255,11 @@ class HarnessWork:
     def micro_work(self, ms):
         return ms
 
-    def optim_work(self, version: int, n_executions: int) -> int:
-        return n_executions
+    def optim_work(self, version: int, n_executions: int, payloads: list):
+        """The executions trained; with `rl.max_kl`, also every 4th execution's sequences of the step to
+        measure the update's KL on, as the step loop measures it on every 4th micro-batch."""
+        rl = self.cfg.rl
+        if rl.max_kl is None:
+            return n_executions
+        return {"n": n_executions, "probe": [sq for seqs in payloads[::4] for sq in seqs], "max_kl": rl.max_kl,
+                "backtracks": rl.kl_backtracks}

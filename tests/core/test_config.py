@@ -32,10 +32,10 @@ def test_dotted_overrides_parse_yaml_values():
     ("rollout.group_size=many", "rollout.group_size: Input should be a valid integer"),
     ("rl.advantage_norm=max", "rl.advantage_norm: Input should be 'none' or 'std'"),
     ("noequals", "override 'noequals': expected key=value"),
-    ("rl.max_kl=0.02 elastic.enabled=true", "rl.max_kl: the elastic phase streams its update and cannot redo"),
     ("harness.command=[python,agent.py] rollout.fork_k=2", "rollout.fork_k: forks copy Gyre's own harness"),
     ("harness.command=[python,agent.py]", "eval.random_baseline: the uniform-random floor needs Gyre's own harness"),
     ("proxy.host=0.0.0.0", "proxy.host '0.0.0.0' is not loopback: set proxy.admin_token"),
+    ("rl.progress_credit=1 elastic.enabled=true", "rl.progress_credit: per-turn credit is given to flat sequences"),
 ])
 def test_bad_values_name_the_field(override, message):
     with pytest.raises(ConfigError) as err:

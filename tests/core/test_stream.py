@@ -11,7 +11,7 @@ import threading
 import pytest
 import torch
 
-from gyre_core.elastic.stream import MicroStepQueue, finish_step, hand_over, train_micro_step
+from gyre_core.elastic.stream import MicroStepQueue, finish_step, finish_step_within_kl, hand_over, train_micro_step
 from gyre_core.processor.batch import TrainSequence, micro_batches
 from gyre_core.trainer.trainer import Trainer
 
@@ -309,3 +309,62 @@ def test_what_cannot_be_streamed_exactly_is_refused():
     stage2.micro_step(seqs, 1.0, last=False)               # ZeRO 2 moved it out of param.grad already
     with pytest.raises(NotImplementedError, match="stage 0 or 1"):
         stage2.gradients()
+
+
+def test_the_kl_guard_redoes_the_streamed_update_at_the_step_loops_rate(tmp_path):
+    """`rl.max_kl` on the elastic core: an update that moved the policy too far is undone from the step's
+    checkpoint and redone from the same gradient at half the rate; the kept update equals a plain streamed
+    update at that rate (what the step loop's backtracking makes), and its KL is the one reported."""
+    model = _model()
+    executions = _executions(seed=4, n=10)
+    with torch.no_grad():       # on-policy behaviour log-probs: the KL then measures the update alone
+        for _, seqs in executions:
+            for sq in seqs:
+                lp = torch.log_softmax(model(input_ids=torch.tensor([sq.input_ids])).logits[0], dim=-1)
+                sq.old_logprobs = [lp[j - 1, t].item() if w else 0.0
+                                   for j, (t, w) in enumerate(zip(sq.input_ids, sq.weights))]
+    probe = [s for _, ss in executions[::4] for s in ss]
+
+    def streamed(lr):
+        t = Trainer(copy.deepcopy(model), lr=lr, zero_stage=1, grad_clip=1e9)
+        q = _stream(executions, [t])
+        return t, q.trained_executions(BURST)
+
+    def guarded(max_kl, backtracks=3):
+        t, n = streamed(LR)
+        t.save(str(tmp_path), "step", {})
+
+        def reopen():
+            fresh = Trainer(copy.deepcopy(model), lr=LR, zero_stage=1, grad_clip=1e9)
+            fresh.load(str(tmp_path), "step")
+            return fresh
+
+        return finish_step_within_kl(t, n, probe, max_kl=max_kl, backtracks=backtracks, lr=LR, reopen=reopen,
+                                     max_tokens=40, clip_low=CLIP_LOW, clip_high=CLIP_HIGH)
+
+    def kl_of(t):
+        shift = [t.policy_shift([s], clip_low=CLIP_LOW, clip_high=CLIP_HIGH) for s in probe]
+        return sum(x["kl"] for x in shift) / sum(x["tokens"] for x in shift)
+
+    plain = {}
+    for b in range(4):                 # the plain streamed update at lr, lr/2, lr/4, lr/8, and its KL
+        t, n = streamed(LR * 0.5 ** b)
+        finish_step(t, n)
+        plain[b] = (t, kl_of(t))
+    assert plain[0][1] > plain[1][1] > plain[2][1] > plain[3][1] > 0      # a smaller step moves the policy less
+
+    t, stats = guarded(max_kl=1.0)                                        # within the bound: kept at once
+    assert stats["kl_backtracks"] == 0 and stats["lr"] == LR
+    assert stats["kl"] == pytest.approx(plain[0][1], rel=1e-4)
+    _assert_same(t, plain[0][0].model, atol=1e-6)
+
+    bound = (plain[1][1] + plain[2][1]) / 2                               # met at lr/4: two halvings
+    t, stats = guarded(max_kl=bound)
+    assert stats["kl_backtracks"] == 2 and stats["lr"] == LR / 4 and stats["kl"] <= bound
+    assert stats["kl"] == pytest.approx(plain[2][1], rel=1e-4)
+    _assert_same(t, plain[2][0].model, atol=1e-6)
+    assert all(g["lr"] == LR for g in t.optimizer.param_groups)         # the configured rate again
+
+    t, stats = guarded(max_kl=1e-30, backtracks=3)                        # never met: the last try is kept
+    assert stats["kl_backtracks"] == 3 and stats["kl"] > 1e-30
+    _assert_same(t, plain[3][0].model, atol=1e-6)

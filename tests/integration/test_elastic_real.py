@@ -211,7 +211,8 @@ def test_a_satellite_lost_holding_its_gradient_falls_back_to_arrays(tmp_path, mo
 
 def test_a_crashed_elastic_phase_resumes_at_the_newest_published_version(tmp_path, monkeypatch):
     """The coordinator dies right after version 2 is published (step 1 landed): rerunning keeps steps 0–1
-    as they are and runs only step 2, on cells that start from v2's weights (checked token by token)."""
+    as they are and runs only step 2, on cells that start from v2's weights (checked token by token). With a
+    KL bound no update meets, the core redoes each update once from the step's checkpoint at half the rate."""
     import json
 
     from gyre_core.lake.store import MANIFEST
@@ -219,7 +220,8 @@ def test_a_crashed_elastic_phase_resumes_at_the_newest_published_version(tmp_pat
     cfg = load_config("smoke", [
         f"run.out_root={tmp_path}/runs", f"lake.root={tmp_path}/lake", f"tracking.uri=sqlite:///{tmp_path}/m.db",
         "elastic.enabled=true", "elastic.mode=real", "elastic.cells=2", "elastic.policy=elastic",
-        "elastic.micro_step_executions=2", "elastic.capacity=4", f"rl.steps={STEPS}", "rl.lr=3e-3"])
+        "elastic.micro_step_executions=2", "elastic.capacity=4", f"rl.steps={STEPS}", "rl.lr=3e-3",
+        "rl.max_kl=1e-30", "rl.kl_backtracks=1"])
     run_dir = phases.prepare(cfg)
     phases.warm_start(run_dir)
     run = RunDir.open(run_dir)
@@ -266,6 +268,16 @@ def test_a_crashed_elastic_phase_resumes_at_the_newest_published_version(tmp_pat
         groups.setdefault(r.task_id, set()).add(r.reward)
     signal = any(len(g) > 1 for g in groups.values())
     assert any(not torch.equal(v2[k], v3[k]) for k in v3) == signal, groups
+    # the KL guard measured every update; one past the bound was redone once, from the step's checkpoint on
+    # the core, at half the rate (the KL is measured against the behaviour policy: the engine's log-probs
+    # differ from the trainer's by float noise, so an update that changes nothing may also be past 1e-30)
+    redone = 0
+    for v in (1, 2, 3):
+        m = run.done(f"publish_{v:04d}")["metrics"]
+        past = m["train/kl"] > 1e-30
+        assert (m["train/kl_backtracks"], m["train/lr"]) == ((1, 1.5e-3) if past else (0, 3e-3)), m
+        redone += past
+    assert redone >= max(1, int(signal))      # (the redo from the checkpoint ran on a real cell)
     # the phase's wall time adds up the steps of both invocations (the control's budget)
     per_step = [run.done(f"publish_{v:04d}")["metrics"]["time/elastic_step_s"] for v in (1, 2, 3)]
     assert all(x > 0 for x in per_step) and summary["rl_wall_s"] >= sum(per_step)
