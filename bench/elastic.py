@@ -193,6 +193,16 @@ def bench_elastic(quick: bool = False, out_dir: str = "data/bench/elastic") -> d
         floor = step_s_floor(w_sim, K_EMULATED, CAPACITY_EMULATED, 1)
         out["emulated"].update(step_s_floor=floor, max_speedup_vs_async=emu_step["async"] / floor,
                                elastic_over_floor=emu_step["elastic"] / floor)
+        # the cost-aware policy: the simulator only (the runtime does not feed it estimates yet), on the same
+        # calibrated fleet, beside the simulated colocated and async runs; and over the regimes of the
+        # training-share and slots × staleness tables (bench/experiments/sim_train_share.py)
+        from bench.experiments.sim_train_share import min_vs_best_static
+
+        ca = simulate(w_sim, K_EMULATED, CAPACITY_EMULATED, "cost-aware", 1, 1, MICRO_EMULATED).step_s
+        worst = min_vs_best_static()
+        out.update(cost_aware_vs_async=sim["async"].step_s / ca, cost_aware_vs_colocated=sim["colocated"].step_s / ca,
+                   cost_aware_vs_elastic=sim["elastic"].step_s / ca, cost_aware_vs_floor=ca / floor,
+                   min_vs_best_static=worst["cost-aware"], min_vs_best_static_elastic=worst["elastic"])
         # the headline figures, at the top level
         out.update(
             step_s={p: emu_step[p] for p in POLICIES},

@@ -46,6 +46,11 @@ class Comparison:
         return {"policies": {n: r.to_dict() for n, r in self.results.items()},
                 "speedup_vs_colocated": self.speedup("elastic", "colocated"),
                 "speedup_vs_async": self.speedup("elastic", "async"),
+                "cost_aware_vs_colocated": self.speedup("cost-aware", "colocated"),
+                "cost_aware_vs_async": self.speedup("cost-aware", "async"),
+                "cost_aware_vs_elastic": self.speedup("cost-aware", "elastic"),
+                "cost_aware_vs_floor": (self.results["cost-aware"].step_s / self.step_s_floor
+                                        if "cost-aware" in self.results else None),   # (≥ 1: over the floor)
                 "async_split": self.async_split, "async_sweep": {str(s): v for s, v in self.async_sweep.items()},
                 "step_s_floor": self.step_s_floor,
                 "max_speedup_vs_async": self.max_speedup_vs_async,
@@ -78,7 +83,8 @@ def compare_results(workload: Workload, k: int, capacity: int, max_staleness: in
 
 def compare(workload: Workload, k: int, capacity: int, max_staleness: int = 1, async_split: int | str = "best",
             micro_step_executions: int = 4) -> dict:
-    """`compare_results(...).to_dict()`: per-policy figures, elastic's speedups, the async split."""
+    """`compare_results(...).to_dict()`: per-policy figures, elastic's and cost-aware's speedups, the async
+    split."""
     return compare_results(workload, k, capacity, max_staleness, async_split, micro_step_executions).to_dict()
 
 
@@ -104,10 +110,11 @@ def format_comparison(c: Comparison, title: str, paper: dict | None = None) -> s
                      f"{r.busy_frac_train:>8.3f}{r.switches:>10d}{r.moved_executions:>8d}")
     lines.append("(busy: fraction of cell-seconds with device work, overall and in each role; "
                  "moved: executions moved off a cell leaving rollout)")
-    sc, sa = c.speedup("elastic", "colocated"), c.speedup("elastic", "async")
-    if sc is not None or sa is not None:
-        parts = [f"{v:.2f}× vs {n}" for v, n in ((sc, "colocated"), (sa, "async")) if v is not None]
-        lines.append("elastic speedup: " + ", ".join(parts))
+    for policy in ("elastic", "cost-aware"):
+        sc, sa = c.speedup(policy, "colocated"), c.speedup(policy, "async")
+        if sc is not None or sa is not None:
+            parts = [f"{v:.2f}× vs {n}" for v, n in ((sc, "colocated"), (sa, "async")) if v is not None]
+            lines.append(f"{policy} speedup: " + ", ".join(parts))
     floor = c.step_s_floor
     lines.append(f"floor under any policy (work over K cells, or the staleness-gated critical path): "
                  f"{fmt_s(floor)} a step" + (f"; elastic at {c.results['elastic'].step_s / floor:.2f}× it"

@@ -10,13 +10,32 @@ With dispatched d and finished f, the unfinished executions are w = d − f:
 - `elastic`:   the waterlevel — the largest t with (K − t) · capacity ≥ w: a cell leaves rollout only
                while the cells that stay can still hold every unfinished execution, and comes back as
                soon as a new burst raises w above what the others hold.
+- `cost-aware`: estimates, not counts (`Estimates`: each unfinished execution's expected and 90th-percentile
+               seconds left from its calls so far and the measured distribution of calls; the trainable
+               burst's training work left). While that training fits in the cell-seconds the waterlevel
+               leaves free before the rollout ends (K · R − the executions' slot-seconds ÷ capacity, R the
+               longest-first makespan of the tail estimates), it is the waterlevel; when it does not —
+               training is the critical path, as when a new burst would send every cell back to rollout —
+               it takes the t ≥ the waterlevel's that minimises max(R(t), training ÷ t).
 """
 from __future__ import annotations
 
+import heapq
+import math
 from dataclasses import dataclass
 from typing import Protocol
 
 ROLLOUT, TRAIN = "rollout", "train"
+
+
+@dataclass(slots=True, frozen=True)
+class Estimates:
+    """What the cost-aware policy weighs: estimates, not counts."""
+
+    remaining_s: tuple[float, ...]   # each unfinished execution's expected seconds left, holding a slot
+    train_s: float                   # cell-seconds of training the trainable burst still needs (its queued
+    #                                  micro-steps, its unfinished executions' expected share, the update)
+    remaining_tail_s: tuple[float, ...] = ()   # a high quantile of each one's seconds left (for makespans)
 
 
 @dataclass(slots=True, frozen=True)
@@ -27,6 +46,7 @@ class Counters:
     capacity: int         # executions one rollout cell holds at once
     dispatched: int       # d: executions handed to the router so far (cumulative)
     finished: int         # f: executions that have ended (cumulative)
+    estimates: Estimates | None = None    # for `cost-aware` (without them it is the waterlevel)
 
     @property
     def unfinished(self) -> int:
@@ -87,6 +107,49 @@ class Waterlevel:
         return max(0, c.k - need)
 
 
+class CostAware:
+    name = "cost-aware"
+
+    def train_cells(self, c: Counters) -> int:
+        e = c.estimates
+        if e is None or c.capacity <= 0:
+            return Waterlevel().train_cells(c)
+        remaining = sorted(e.remaining_s, reverse=True)
+        tail = sorted(e.remaining_tail_s or e.remaining_s, reverse=True)
+
+        def rollout_s(t):              # until the last unfinished execution ends, on the slots t leaves
+            return makespan(tail, (c.k - t) * c.capacity)
+
+        level = Waterlevel().train_cells(c)
+        # the cell-seconds the waterlevel leaves free for training while the rollout runs: the fleet's, less
+        # what the executions' slots take (a cell holds `capacity` of them)
+        free = c.k * rollout_s(level) - sum(remaining) / c.capacity
+        if e.train_s <= free:                      # training fits beside the rollout: the waterlevel
+            return level
+        best_t, best = level, math.inf
+        for t in range(max(level, 1), c.k + 1):   # training is the critical path: cells stay in it while that
+            cost = max(rollout_s(t), e.train_s / t)   # shortens the step
+            if cost < best * (1 - 1e-9):
+                best_t, best = t, cost
+        return best_t
+
+
+def makespan(remaining: list[float], slots: int) -> float:
+    """When the last of the `remaining` durations (longest first) ends on `slots` parallel slots, each taking
+    the next one as it frees (longest-first list scheduling)."""
+    if not remaining:
+        return 0.0
+    if slots <= 0:
+        return math.inf
+    if len(remaining) <= slots:
+        return remaining[0]
+    ends = list(remaining[:slots])
+    heapq.heapify(ends)
+    for r in remaining[slots:]:
+        heapq.heappush(ends, heapq.heappop(ends) + r)
+    return max(ends)
+
+
 def make_policy(name: str, async_train_cells: int = 1) -> RolePolicy:
     if name == "colocated":
         return Colocated()
@@ -94,7 +157,9 @@ def make_policy(name: str, async_train_cells: int = 1) -> RolePolicy:
         return Async(async_train_cells)
     if name == "elastic":
         return Waterlevel()
-    raise ValueError(f"elastic.policy: unknown policy {name!r} (colocated, async, elastic)")
+    if name == "cost-aware":
+        return CostAware()
+    raise ValueError(f"elastic.policy: unknown policy {name!r} (colocated, async, elastic, cost-aware)")
 
 
 def roles(k: int, t: int) -> list[str]:

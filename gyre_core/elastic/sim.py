@@ -12,7 +12,9 @@ Why it exists: to size a fleet before renting it, and to predict what the emulat
 benchmark compares the two step times. The rules, exactly as modelled:
 
 1. Cells. K cells, core (0) first, then satellites; the training cells are always cells[0:t], with t from
-   `controller.decide(policy, Counters(k, capacity, d, f), t_before, now)`, where t_before counts the cells
+   `controller.decide(policy, Counters(k, capacity, d, f, estimates), t_before, now)` (the estimates only for
+   `cost-aware`: calls so far of each unfinished execution, the histogram of calls per execution over the
+   run's bursts, the trainable burst's queued and expected training), where t_before counts the cells
    currently meant to train. It is re-evaluated after every event (dispatch, execution finished,
    micro-step done, optimizer step done, switch done); every Decision that changes t is kept. All cells
    start in rollout, so a policy that trains from t = 0 pays one rollout→train switch first.
@@ -63,12 +65,12 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .controller import ROLLOUT, TRAIN, Counters, Decision, decide, make_policy
+from .controller import ROLLOUT, TRAIN, Counters, Decision, Estimates, decide, make_policy
 from .timeline import BusySpan, RoleSpan, SwitchMark, busy_fractions
 from .workload import Workload
 
 SWITCHING = "switching"
-POLICIES = ("colocated", "async", "elastic")
+POLICIES = ("colocated", "async", "elastic", "cost-aware")
 _FINISH, _SWITCH, _MICRO, _OPTIM = range(4)
 
 
@@ -197,6 +199,8 @@ class _Sim:
         self.moved = self.resumed = 0
         self.step_ends: list[float] = []
         self.load: list[tuple[float, int]] = []
+        self.unfinished: set[int] = set()
+        self.remaining_calls = _RemainingCalls(w) if policy == "cost-aware" else None
 
     # -- the loop --------------------------------------------------------------------------------------
     def run(self) -> SimResult:
@@ -233,6 +237,7 @@ class _Sim:
             self.bursts.append(_Burst(len(calls), math.ceil(len(calls) / self.micro)))
             for n in calls:
                 self.queue.append(len(self.execs))
+                self.unfinished.add(len(self.execs))
                 self.execs.append(_Exec(s, n, w.call_s, self.now))
             self.dispatched += len(calls)
             self.next_burst += 1
@@ -241,7 +246,8 @@ class _Sim:
     # -- rules 1 and 4: roles and switches -------------------------------------------------------------
     def _roles(self) -> None:
         want = sum(c.target == TRAIN for c in self.cells)
-        d = decide(self.policy, Counters(self.k, self.cap, self.dispatched, self.finished), want, self.now)
+        d = decide(self.policy, Counters(self.k, self.cap, self.dispatched, self.finished, self._estimates()),
+                   want, self.now)
         if d.train_after != want:
             self.decisions.append(d)
         for c in self.cells:
@@ -250,6 +256,37 @@ class _Sim:
             if c.role == c.target or c.role == SWITCHING or c.busy:
                 continue          # mid-switch: finish it first; training: leave at the micro-step boundary
             self._start_switch(c)
+
+    def _estimates(self) -> Estimates | None:
+        """What a cost-aware controller could know now: each unfinished execution's calls so far (not how
+        many it will make: those come from the workload's distribution, as a runtime measures it from the
+        executions that finished), and the trainable burst's queued and expected training."""
+        if self.remaining_calls is None:
+            return None
+        w, rem = self.w, self.remaining_calls
+        remaining, tail, train = [], [], 0.0
+        for i in self.unfinished:
+            ex = self.execs[i]
+            done = self._calls_done(ex)
+            left = rem.expected(done)
+            remaining.append(left * self.period)
+            tail.append(rem.quantile(done) * self.period)
+            if ex.burst == self.version:
+                train += w.train_s(done + left)
+        if self.version < len(self.bursts):
+            b = self.bursts[self.version]
+            train += sum(b.pending) + sum(w.train_s(n) for n in b.buffer) + w.optimizer_s + w.publish_s
+        return Estimates(tuple(remaining), train, tuple(tail))
+
+    def _calls_done(self, ex: _Exec) -> int:
+        """Calls `ex` has completed by now (observable: its calls so far)."""
+        if ex.cell < 0:
+            return ex.done
+        s0 = max(ex.bound_at, ex.ready_at)
+        first_end = s0 + ex.call_rem
+        if self.now < first_end:
+            return ex.done
+        return min(ex.n, ex.done + 1 + (int((self.now - first_end) // self.period) if self.period > 0 else 0))
 
     def _start_switch(self, c: _Cell) -> None:
         w = self.w
@@ -340,6 +377,7 @@ class _Sim:
             del self.cells[ex.cell].bound[i]
             ex.cell = -1
         ex.done = ex.n
+        self.unfinished.discard(i)
         self.finished += 1
         self.load.append((self.now, self.dispatched - self.finished))
         self._stream_add(ex)
@@ -403,6 +441,29 @@ class _Sim:
             moved_executions=self.moved, resumed_calls=self.resumed, step_ends=self.step_ends, load=self.load,
             decisions=self.decisions, role_spans=sorted(self.role_spans, key=lambda s: (s.cell, s.t0)),
             busy_spans=busy_spans, switch_marks=self.marks)
+
+
+class _RemainingCalls:
+    """Calls left given calls so far — the mean and a high quantile — under the workload's distribution of
+    calls per execution: the histogram of its bursts, as a runtime measures it from the executions that
+    finished (which execution makes how many calls is not used)."""
+
+    def __init__(self, w: Workload) -> None:
+        self.sample = np.sort(np.asarray([c for s in range(w.steps) for c in w.calls(s)], dtype=np.int64))
+        self.cache: dict = {}
+
+    def quantile(self, done: int, q: float = 0.9) -> float:
+        key = (done, q)
+        if key not in self.cache:
+            more = self.sample[self.sample > done]
+            self.cache[key] = float(np.quantile(more, q) - done) if more.size else 1.0
+        return self.cache[key]
+
+    def expected(self, done: int) -> float:
+        if done not in self.cache:
+            more = self.sample[self.sample > done]
+            self.cache[done] = float(more.mean() - done) if more.size else 1.0
+        return self.cache[done]
 
 
 def _zero_busy() -> dict:

@@ -155,7 +155,7 @@ def _device_time(segments, call_s: float, period: float) -> float:
     return total
 
 
-@pytest.mark.parametrize("policy", ["colocated", "async", "elastic"])
+@pytest.mark.parametrize("policy", ["colocated", "async", "elastic", "cost-aware"])
 def test_moves_neither_lose_nor_repeat_device_time(policy):
     """Across random small fleets and bursts, every call gets exactly call_s of device time in all, however
     often its execution moved, and every execution finishes once."""
@@ -264,8 +264,9 @@ def test_cli_json(tmp_path, capsys):
     assert rc == 0
     out = json.loads(capsys.readouterr().out)
     pol = out["policies"]
-    assert set(pol) == {"colocated", "async", "elastic"}
+    assert set(pol) == {"colocated", "async", "elastic", "cost-aware"}
     assert out["speedup_vs_colocated"] == pytest.approx(pol["colocated"]["step_s"] / pol["elastic"]["step_s"])
+    assert out["cost_aware_vs_async"] == pytest.approx(pol["async"]["step_s"] / pol["cost-aware"]["step_s"])
     assert out["speedup_vs_async"] == pytest.approx(pol["async"]["step_s"] / pol["elastic"]["step_s"])
     assert out["async_split"] == pol["async"]["async_train_cells"]
     assert out["workload"]["steps"] == 3 and out["profile"]["name"] == "laptop"
@@ -324,3 +325,52 @@ def test_overrides_and_traces():
     assert w.max_calls == 7 and set(w.calls(0)) <= {5, 7} and len(w.calls(0)) == 50
     with pytest.raises(ValueError):
         workload_from_trace([])
+
+
+# ------------------------------------------------------------------ the cost-aware policy
+
+
+def test_makespan_by_hand():
+    from gyre_core.elastic.controller import makespan
+
+    assert makespan([], 3) == 0.0 and makespan([5.0], 0) == float("inf")
+    assert makespan([5.0, 3.0, 1.0], 3) == 5.0                 # every one has a slot: the longest
+    # 2 slots, longest first: 5 | 4, then 3 goes after 4 (7), 2 after 5 (7), 1 after the first to free: 8
+    assert makespan([5.0, 4.0, 3.0, 2.0, 1.0], 2) == 8.0
+
+
+def test_cost_aware_is_the_waterlevel_until_training_is_the_critical_path():
+    from gyre_core.elastic.controller import Counters, CostAware, Estimates, Waterlevel
+
+    ca, wl = CostAware(), Waterlevel()
+    # K = 4 cells × 4 slots, 8 executions unfinished, each 10 s left (tail 12 s): the waterlevel trains 2 cells
+    c = Counters(4, 4, 20, 12, Estimates((10.0,) * 8, 0.0, (12.0,) * 8))
+    assert wl.train_cells(c) == 2 and ca.train_cells(c) == 2
+    assert ca.train_cells(Counters(4, 4, 20, 12)) == 2                  # no estimates: the waterlevel
+    # training that fits in what the waterlevel leaves free (4 × 12 − 80 / 4 = 28 cell-seconds): unchanged
+    assert ca.train_cells(Counters(4, 4, 20, 12, Estimates((10.0,) * 8, 28.0, (12.0,) * 8))) == 2
+    # a new burst: 16 unfinished, the waterlevel sends every cell to rollout (t = 0); 100 cell-seconds of
+    # training left, 16 · 10 / 4 = 40 slot-cell-seconds: free 4 · 12 − 40 = 8 < 100. Then t minimises
+    # max(makespan of the tails on (4 − t) · 4 slots, 100 / t): t=1: max(24, 100); 2: max(24, 50);
+    # 3: max(48, 33.3) = 48; 4: inf. → 3 cells keep training
+    c = Counters(4, 4, 36, 20, Estimates((10.0,) * 16, 100.0, (12.0,) * 16))
+    assert wl.train_cells(c) == 0 and ca.train_cells(c) == 3
+
+
+def test_cost_aware_never_slower_than_the_waterlevel_here_and_faster_when_training_dominates():
+    """The simulator is deterministic: on the bench's fleet (bench/experiments/sim_train_share.py's rows) the
+    cost-aware policy takes the waterlevel's decisions while rollout dominates, and wins where training is
+    most of the work (the regime where the waterlevel loses to a static split)."""
+    import dataclasses
+
+    from bench.elastic import CAPACITY_EMULATED, K_EMULATED, MICRO_EMULATED, WORKLOAD
+
+    base = dataclasses.replace(WORKLOAD, call_s=0.03, env_s=0.06, optimizer_s=0.05, steps=8)
+    for t, wins in ((0.002, False), (0.1, True)):
+        w = dataclasses.replace(base, train_s_per_call=t)
+        el, ca = (simulate(w, K_EMULATED, CAPACITY_EMULATED, p, 1, 1, MICRO_EMULATED) for p in ("elastic", "cost-aware"))
+        check_invariants(ca)
+        if wins:
+            assert ca.step_s < 0.95 * el.step_s, (t, ca.step_s, el.step_s)
+        else:
+            assert ca.step_s == el.step_s and [d.train_after for d in ca.decisions] == [d.train_after for d in el.decisions]
