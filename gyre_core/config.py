@@ -371,9 +371,12 @@ class ElasticConfig(_Section):
     enabled: bool = False
     """Run the RL phase on K cell agents under `policy` (`gyre_core.elastic`); False: the step-by-step loop
     in one process (rollout → score → process → train → publish; what `colocated` does on one cell)."""
-    policy: Literal["colocated", "async", "elastic"] = "elastic"
+    policy: Literal["colocated", "async", "elastic", "cost-aware"] = "elastic"
     """`colocated`: all cells roll out, then all train; `async`: a fixed split, rollout runs ahead within
-    `max_staleness`; `elastic`: the waterlevel rule moves cells between roles while executions run."""
+    `max_staleness`; `elastic`: the waterlevel rule moves cells between roles while executions run;
+    `cost-aware`: the waterlevel until the estimated training left no longer fits beside the rollout, then
+    the split that shortens the estimated critical path (estimates from the calls and micro-steps measured so
+    far; the waterlevel until there are some)."""
     cells: int = Field(2, gt=0)
     """K identical cells; cell 0 is the core (authoritative weights and optimizer), the rest satellites."""
     mode: Literal["real", "emulated"] = "real"

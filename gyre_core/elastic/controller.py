@@ -37,6 +37,46 @@ class Estimates:
     #                                  micro-steps, its unfinished executions' expected share, the update)
     remaining_tail_s: tuple[float, ...] = ()   # a high quantile of each one's seconds left (for makespans)
 
+    @classmethod
+    def of(cls, calls_done: list[int], calls: "CallDistribution", period_s: float, train_s: float) -> "Estimates":
+        """From each unfinished execution's calls so far, the distribution of calls per execution and the
+        seconds a call and its environment turn take."""
+        return cls(tuple(calls.expected(d) * period_s for d in calls_done), train_s,
+                   tuple(calls.quantile(d) * period_s for d in calls_done))
+
+
+class CallDistribution:
+    """Calls left given calls so far — the mean and a high quantile — under a measured distribution of calls
+    per execution (a sample of finished executions' call counts)."""
+
+    def __init__(self, sample, q: float = 0.9) -> None:
+        import numpy as np
+
+        self.sample = np.sort(np.asarray(list(sample), dtype=np.int64))
+        self.q = q
+        self._cache: dict = {}
+
+    def __len__(self) -> int:
+        return int(self.sample.size)
+
+    def expected(self, done: int) -> float:
+        return self._left(done, None)
+
+    def quantile(self, done: int) -> float:
+        return self._left(done, self.q)
+
+    def _left(self, done: int, q: float | None) -> float:
+        key = (done, q)
+        if key not in self._cache:
+            import numpy as np
+
+            more = self.sample[self.sample > done]
+            if not more.size:          # longer than any measured: at least one more call
+                self._cache[key] = 1.0
+            else:
+                self._cache[key] = float((more.mean() if q is None else np.quantile(more, q)) - done)
+        return self._cache[key]
+
 
 @dataclass(slots=True, frozen=True)
 class Counters:

@@ -76,6 +76,11 @@ class Router:
         self._key_cell: dict[str, int] = {}   # context key -> the cell that last served it (holds its K/V)
         self.reroutes = 0
         self.call_s: list[float] = []     # each answered call's latency as its execution saw it
+        # what an execution's progress looks like, for the cost-aware policy's estimates
+        self._calls_done: dict[str, int] = {}     # live execution -> calls answered so far
+        self._first_call: dict[str, float] = {}   # ... and when its first call was made
+        self.finished_calls: list[int] = []       # calls of each execution that ended
+        self.finished_period_s: list[float] = []  # ... and its seconds per call (the call and its turn)
 
     # -- the harness side ------------------------------------------------------------------------
     def call(self, execution_id: str, req: CallRequest) -> Completion:
@@ -83,6 +88,7 @@ class Router:
         with self._lock:
             if self._aborted:
                 raise RouterAborted(self._aborted)
+            self._first_call.setdefault(execution_id, t0)
             self._next_id += 1
             c = _Call(self._next_id, execution_id, req)
             self._waiting.append(c)
@@ -91,7 +97,14 @@ class Router:
         if c.result is None:
             raise RouterAborted(self._aborted or "aborted")
         self.call_s.append(time.monotonic() - t0)   # wait for a slot included: what the execution sees
+        with self._lock:
+            self._calls_done[execution_id] = self._calls_done.get(execution_id, 0) + 1
         return c.result
+
+    def progress(self) -> tuple[list[int], list[int], list[float]]:
+        """Calls so far of each live execution; calls and seconds per call of each that ended."""
+        with self._lock:
+            return list(self._calls_done.values()), list(self.finished_calls), list(self.finished_period_s)
 
     def abort(self, why: str) -> None:
         """The run is over: every call still waiting or in flight raises `RouterAborted(why)` in its
@@ -118,6 +131,10 @@ class Router:
     def release(self, execution_id: str) -> None:
         """The execution finished: free its slot."""
         with self._lock:
+            n, t0 = self._calls_done.pop(execution_id, 0), self._first_call.pop(execution_id, None)
+            if n and t0 is not None:
+                self.finished_calls.append(n)
+                self.finished_period_s.append((time.monotonic() - t0) / n)
             cell = self._binding.pop(execution_id, None)
             if cell is not None:
                 self._cells[cell].bound.discard(execution_id)

@@ -27,6 +27,7 @@ How the agents start is a launcher's job (`elastic.launch`; see `connections`).
 from __future__ import annotations
 
 import queue
+import statistics
 import sys
 import threading
 import time
@@ -34,7 +35,7 @@ from dataclasses import dataclass, field
 
 from ..config import ElasticConfig
 from .connections import CellConnections, Launcher, ProcessLauncher, check_fleet
-from .controller import ROLLOUT, TRAIN, Counters, Decision, decide, make_policy
+from .controller import ROLLOUT, TRAIN, CallDistribution, Counters, Decision, Estimates, decide, make_policy
 from .messages import (BecomeCore, Beat, CellLost, Done, ExecutionFinished, Grads, Micro, MicroDone, Optim,
                        OptimDone, OptimFailed, Reduce, Role, RoleDone, RunError, ToCell, UseArrays, Weights)
 from .router import Router
@@ -155,6 +156,7 @@ class Coordinator:
         self.dead: list[int] = []
         self.load: list[tuple[float, int]] = []   # (t, unfinished executions) at every dispatch and finish
         self.micro_s: list[float] = []             # device seconds of each micro-step, as the cell measured
+        self._calls_dist: CallDistribution | None = None   # the cost-aware policy's, rebuilt as executions end
         self.optim_s: list[float] = []             # ... of each update (optimizer step and publish)
         self.reduce_s: list[float] = []            # ... of the core's part of each update's reduce
         self.trained_in: dict[int, set[int]] = {}  # version → cells whose micro-steps for it counted
@@ -292,7 +294,8 @@ class Coordinator:
     def _roles(self) -> None:
         k = len(self.order)
         want = sum(1 for i in self.order if self.cells[i].target == TRAIN)
-        d = decide(self.policy, Counters(k, self.cfg.capacity, self.dispatched, self.finished), want, self.now())
+        d = decide(self.policy, Counters(k, self.cfg.capacity, self.dispatched, self.finished, self._estimates()),
+                   want, self.now())
         if d.train_after != want:
             self.decisions.append(d)
         for pos, i in enumerate(self.order):
@@ -310,6 +313,25 @@ class Coordinator:
             c.switch_t0 = self.now()
             self._set_role(c, "switching")
             self._send(i, Role(c.target, cost))
+
+    MEASURED_BEFORE_ESTIMATES = 8      # executions ended before the cost-aware policy trusts its estimates
+
+    def _estimates(self) -> Estimates | None:
+        """The cost-aware policy's estimates from what this run measured: each live execution's calls so far,
+        the calls per execution and seconds per call of those that ended, the seconds a micro-step and an
+        update took. None (the waterlevel decides) until enough was measured, and for the other policies."""
+        if self.policy.name != "cost-aware" or not self.micro_s:
+            return None
+        live, ended, period = self.router.progress()
+        if len(ended) < self.MEASURED_BEFORE_ESTIMATES:
+            return None
+        if self._calls_dist is None or len(self._calls_dist) != len(ended):
+            self._calls_dist = CallDistribution(ended)
+        unstarted = max(0, self.dispatched - self.finished - len(live))
+        per_execution = statistics.fmean(self.micro_s) / self.cfg.micro_step_executions
+        train = (self.stream.untrained(self.version) * per_execution
+                 + (statistics.fmean(self.optim_s) if self.optim_s else 0.0))
+        return Estimates.of(live + [0] * unstarted, self._calls_dist, statistics.median(period), train)
 
     def _feed(self) -> None:
         for i in self.order:

@@ -65,7 +65,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .controller import ROLLOUT, TRAIN, Counters, Decision, Estimates, decide, make_policy
+from .controller import ROLLOUT, TRAIN, CallDistribution, Counters, Decision, Estimates, decide, make_policy
 from .timeline import BusySpan, RoleSpan, SwitchMark, busy_fractions
 from .workload import Workload
 
@@ -200,7 +200,10 @@ class _Sim:
         self.step_ends: list[float] = []
         self.load: list[tuple[float, int]] = []
         self.unfinished: set[int] = set()
-        self.remaining_calls = _RemainingCalls(w) if policy == "cost-aware" else None
+        # the cost-aware policy's measured distribution of calls per execution: the histogram of the run's
+        # bursts (which execution makes how many calls stays unknown to it)
+        self.calls_dist = (CallDistribution(c for s in range(w.steps) for c in w.calls(s))
+                           if policy == "cost-aware" else None)
 
     # -- the loop --------------------------------------------------------------------------------------
     def run(self) -> SimResult:
@@ -261,22 +264,16 @@ class _Sim:
         """What a cost-aware controller could know now: each unfinished execution's calls so far (not how
         many it will make: those come from the workload's distribution, as a runtime measures it from the
         executions that finished), and the trainable burst's queued and expected training."""
-        if self.remaining_calls is None:
+        if self.calls_dist is None:
             return None
-        w, rem = self.w, self.remaining_calls
-        remaining, tail, train = [], [], 0.0
-        for i in self.unfinished:
-            ex = self.execs[i]
-            done = self._calls_done(ex)
-            left = rem.expected(done)
-            remaining.append(left * self.period)
-            tail.append(rem.quantile(done) * self.period)
-            if ex.burst == self.version:
-                train += w.train_s(done + left)
+        w = self.w
+        done = {i: self._calls_done(self.execs[i]) for i in self.unfinished}
+        train = sum(w.train_s(d + self.calls_dist.expected(d)) for i, d in done.items()
+                    if self.execs[i].burst == self.version)
         if self.version < len(self.bursts):
             b = self.bursts[self.version]
             train += sum(b.pending) + sum(w.train_s(n) for n in b.buffer) + w.optimizer_s + w.publish_s
-        return Estimates(tuple(remaining), train, tuple(tail))
+        return Estimates.of(list(done.values()), self.calls_dist, self.period, train)
 
     def _calls_done(self, ex: _Exec) -> int:
         """Calls `ex` has completed by now (observable: its calls so far)."""
@@ -441,29 +438,6 @@ class _Sim:
             moved_executions=self.moved, resumed_calls=self.resumed, step_ends=self.step_ends, load=self.load,
             decisions=self.decisions, role_spans=sorted(self.role_spans, key=lambda s: (s.cell, s.t0)),
             busy_spans=busy_spans, switch_marks=self.marks)
-
-
-class _RemainingCalls:
-    """Calls left given calls so far — the mean and a high quantile — under the workload's distribution of
-    calls per execution: the histogram of its bursts, as a runtime measures it from the executions that
-    finished (which execution makes how many calls is not used)."""
-
-    def __init__(self, w: Workload) -> None:
-        self.sample = np.sort(np.asarray([c for s in range(w.steps) for c in w.calls(s)], dtype=np.int64))
-        self.cache: dict = {}
-
-    def quantile(self, done: int, q: float = 0.9) -> float:
-        key = (done, q)
-        if key not in self.cache:
-            more = self.sample[self.sample > done]
-            self.cache[key] = float(np.quantile(more, q) - done) if more.size else 1.0
-        return self.cache[key]
-
-    def expected(self, done: int) -> float:
-        if done not in self.cache:
-            more = self.sample[self.sample > done]
-            self.cache[done] = float(more.mean() - done) if more.size else 1.0
-        return self.cache[done]
 
 
 def _zero_busy() -> dict:

@@ -263,6 +263,16 @@ class MicroStepQueue:
                 raise RuntimeError(f"burst {s} is not sealed: its trained executions are not known yet")
             return sum(ms.n_executions for ms in b.steps.values())
 
+    def untrained(self, s: int) -> int:
+        """Executions of burst s still to be trained: expected (or arrived), less those in completed
+        micro-steps and those left out (an estimate of the training left, for the cost-aware policy)."""
+        with self._lock:
+            b = self._bursts.get(s)
+            if b is None:
+                return 0
+            trained = sum(len(b.steps[i].items) for i in b.done)
+            return max(0, (b.expected if b.expected is not None else b.arrived) - trained - len(b.left_out))
+
     def left_out(self, s: int) -> dict[str, str]:
         """Executions of burst s that arrived but are not trained, and why (stale, discarded)."""
         with self._lock:

@@ -2,6 +2,7 @@
 device work replaced by waits. Executions must survive role switches and a lost cell, token for token."""
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import pytest
@@ -115,6 +116,26 @@ def test_waterlevel_decisions_follow_the_rule():
         best = max([t for t in range(cfg.cells + 1) if (cfg.cells - t) * cfg.capacity >= w] or [0])
         assert d.train_after == best
         assert d.rollout_capacity == (cfg.cells - d.train_after) * cfg.capacity
+
+
+def test_cost_aware_keeps_cells_training_past_the_waterlevel_once_it_has_measured_enough():
+    """Emulated cells, training most of the work: until 8 executions ended and a micro-step was timed it is
+    the waterlevel; afterwards, when a new burst would send every cell back to rollout, it keeps some
+    training (the previous burst's training is the critical path), and the run's records stay exact."""
+    heavy = dataclasses.replace(FAST, steps=4, train_s_per_call=0.03)
+    cfg = ElasticConfig(policy="cost-aware", cells=4, mode="emulated", capacity=3, micro_step_executions=2)
+    res = run_elastic(cfg, heavy)
+    _check_tito(res, heavy)
+    assert res.steps == 4 and res.decisions
+    past = []
+    for d in res.decisions:
+        w = d.dispatched - d.finished
+        level = max([t for t in range(cfg.cells + 1) if (cfg.cells - t) * cfg.capacity >= w] or [0])
+        assert d.train_after >= level                          # never fewer training cells than the waterlevel
+        if d.train_after > level:
+            past.append(d)
+    assert past, "it never kept a cell training past the waterlevel"
+    assert all(d.finished >= Coordinator.MEASURED_BEFORE_ESTIMATES for d in past)    # only on measurements
 
 
 def test_async_takes_its_training_cell_out_before_any_execution_binds():
