@@ -20,9 +20,9 @@ if [ "$MODEL" = data/models/SmolLM2-135M-Instruct ] && [ ! -f "$MODEL/config.jso
   .venv/bin/gyre model fetch smollm2-135m-instruct "$MODEL"
 fi
 # on a GPU the executions take seconds, not minutes: more of them a step, vLLM takes 60% of the GPU, the trainer the rest
-.venv/bin/gyre train --preset coding-real --set run.name="$RUN" model.path="$MODEL" model.fetch=null \
-  rl.steps="$STEPS" rollout.tasks_per_step=8 rollout.group_size=8 rollout.concurrency=32 \
-  engine.gpu_memory_utilization=0.6 harness.wall_clock_s=600
+.venv/bin/gyre train --preset coding-real --set run.name="$RUN" --set model.path="$MODEL" --set model.fetch=null \
+  --set rl.steps="$STEPS" --set rollout.tasks_per_step=8 --set rollout.group_size=8 --set rollout.concurrency=32 \
+  --set engine.gpu_memory_utilization=0.6 --set harness.wall_clock_s=600
 .venv/bin/gyre sql "SELECT step, count(*) AS executions, avg(success::INT) AS success, avg(partial) AS partial,
                            avg(evaluator_s) AS evaluator_s, sum(tokens_generated) AS tokens
                     FROM executions WHERE split = 'train' GROUP BY 1 ORDER BY 1" --run "$RUN"

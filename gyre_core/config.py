@@ -100,7 +100,8 @@ class HarnessConfig(_Section):
     """An evaluator that raises is retried this many times; then the execution is excluded from training."""
     score_workers: int = Field(4, gt=0)
     """Evaluators running at once: an ended execution is scored on one of these threads while the others go
-    on generating (its time is `executions.evaluator_s` in the lake, `time/evaluator_s` per step)."""
+    on generating (its time is `executions.evaluator_s` in the lake, `time/evaluator_s` per step). In the
+    elastic phase each execution's own thread scores it, its rollout slot already free."""
     command: list[str] = Field(default_factory=list)
     """An external agent harness: the program (argv) each execution runs, in a workspace the environment sets
     up, talking to the model through Gyre's recording proxy (`OPENAI_BASE_URL`, `OPENAI_API_KEY`); the
@@ -226,7 +227,7 @@ class RLConfig(_Section):
     progress_credit: float = Field(0.0, ge=0)
     """Per-turn credit: each call's tokens get, besides the execution's advantage, this × the progress its
     action made (the environment's `progress()` after it minus before; envs without that hook: 0). Needs
-    `processor.mode=flat` (or the elastic phase, which streams flat sequences)."""
+    `processor.mode=flat` (tree mode credits whole paths), in the step loop and the elastic phase alike."""
 
 
 class ProcessorConfig(_Section):

@@ -16,8 +16,8 @@ runs in new namespaces (user, network, PID, IPC, UTS, cgroup) with
 - **no privileges**: Gyre run as root makes the command `nobody` inside its user namespace with every
   capability dropped (outside it keeps root's uid without any capability: what is mounted read-only stays
   so, and what is not mounted cannot be reached);
-- **limits**: CPU seconds, address space and the largest file it may write (setrlimit, inherited by
-  everything it starts); processes and memory by a cgroup of its own when Gyre runs as root (the kernel
+- **limits**: CPU seconds, address space and the largest file it may write (set by util-linux's `prlimit`
+  before it execs bwrap, inherited by everything it starts); processes and memory by a cgroup of its own when Gyre runs as root (the kernel
   exempts root's uid from RLIMIT_NPROC, and the command's uid outside its namespace is root's), else by
   RLIMIT_NPROC, raised by what the user already runs; and a wall-clock timeout after which the sandbox is
   killed — its PID namespace with it, every process it started included;
@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import itertools
 import os
-import resource
 import shutil
 import signal
 import subprocess
@@ -133,26 +132,26 @@ class Sandbox:
         """Run `command` in the sandbox and wait (at most `limits.wall_s`)."""
         lim = self.limits
         group = _Cgroup.make(lim) if self._as_root else None
-        nproc = lim.processes + _processes_of(os.geteuid())
         join = group.procs_files if group is not None else []
-
-        def confine() -> None:        # in the child, before exec: inherited by everything inside
-            for f in join:            # into its cgroup first: every process it starts is counted there
-                with open(f, "w") as fh:
-                    fh.write(str(os.getpid()))
-            resource.setrlimit(resource.RLIMIT_CPU, (lim.cpu_s, lim.cpu_s))
-            resource.setrlimit(resource.RLIMIT_FSIZE, (lim.file_mb << 20, lim.file_mb << 20))
-            if not join:
-                resource.setrlimit(resource.RLIMIT_NPROC, (nproc, nproc))
-            resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
-            resource.setrlimit(resource.RLIMIT_AS, (lim.memory_mb << 20, lim.memory_mb << 20))
+        # the limits are set by `prlimit` and the cgroup joined by a shell that then execs it: nothing runs in
+        # the forked child before exec (a `preexec_fn` may deadlock there while other threads run sandboxes)
+        limits = ["prlimit", f"--cpu={lim.cpu_s}", f"--fsize={lim.file_mb << 20}", "--core=0",
+                  f"--as={lim.memory_mb << 20}"]
+        if not join:                  # no cgroup (not root): the process count by RLIMIT_NPROC, per user
+            nproc = lim.processes + _processes_of(os.geteuid())
+            limits.append(f"--nproc={nproc}")
+        argv = limits + ["--"] + self.argv(command)
+        env = dict(os.environ)
+        if join:                      # into its cgroup first: every process it starts is counted there
+            env["GYRE_CGROUP_PROCS"] = " ".join(join)
+            argv = ["sh", "-c", 'for f in $GYRE_CGROUP_PROCS; do echo $$ > "$f" || exit 125; done; exec "$@"',
+                    "sh"] + argv
 
         t0 = time.monotonic()
         try:
-            proc = subprocess.Popen(self.argv(command),
+            proc = subprocess.Popen(argv, env=env,
                                     stdin=subprocess.PIPE if stdin is not None else subprocess.DEVNULL,
-                                    stdout=subprocess.PIPE, stderr=subprocess.STDOUT, preexec_fn=confine,
-                                    start_new_session=True)
+                                    stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
             timed_out = False
             try:
                 out, _ = proc.communicate(stdin.encode() if stdin is not None else None, timeout=lim.wall_s)
@@ -182,7 +181,7 @@ class _Cgroup:
 
     @classmethod
     def make(cls, lim: SandboxLimits) -> "_Cgroup":
-        name = f"gyre-sandbox-{os.getpid()}-{next(cls._serial)}"   # unique across threads
+        name = f"gyre-sandbox-{os.getpid()}-{time.monotonic_ns()}-{next(cls._serial)}"   # unique across threads and runs
         try:
             if (cls.ROOT / "cgroup.controllers").exists():          # v2
                 d = cls.ROOT / name

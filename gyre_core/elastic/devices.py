@@ -275,28 +275,19 @@ class RealDevice:
 
     def _update_within_kl(self, tr, version: int, work: dict):
         """The update under the KL guard: the step's checkpoint (weights and optimizer state) saved first,
-        for a redo at a lower rate (`stream.finish_step_within_kl`)."""
+        and loaded back into the same trainer for a redo at a lower rate (`stream.finish_step_within_kl`)."""
         import tempfile
 
         from .stream import finish_step_within_kl
 
         kw = self.train_kw
-        ckpt = tempfile.mkdtemp(prefix=f"gyre-cell{self.cell}-kl-")
-        tag = f"v{version}"
-        tr.save(ckpt, tag, {"version": version})
-
-        def reopen():
-            self.trainer = None
-            fresh = self._trainer()
-            fresh.load(ckpt, tag)
-            return fresh
-
+        ckpt, tag = tempfile.mkdtemp(prefix=f"gyre-cell{self.cell}-kl-"), f"v{version}"
         try:
-            tr, stats = finish_step_within_kl(
+            tr.save(ckpt, tag, {"version": version})
+            stats = finish_step_within_kl(
                 tr, work["n"], work["probe"], max_kl=work["max_kl"], backtracks=work["backtracks"], lr=kw["lr"],
-                reopen=reopen, max_tokens=kw["micro_batch_tokens"], temperature=kw["temperature"],
-                clip_low=kw["clip_low"], clip_high=kw["clip_high"])
+                restore=lambda: tr.load(ckpt, tag), max_tokens=kw["micro_batch_tokens"],
+                temperature=kw["temperature"], clip_low=kw["clip_low"], clip_high=kw["clip_high"])
         finally:
             shutil.rmtree(ckpt, ignore_errors=True)
-        self.trainer = tr
         return tr, stats

@@ -24,6 +24,8 @@ from typing import Callable
 
 from .messages import CallRequest, Gen, Release, ToCell
 
+HISTORY = 4096        # ended executions whose calls and pace the cost-aware policy's estimates use (the latest)
+
 
 class RouterAborted(RuntimeError):
     """The run ended (or failed) while an execution was waiting on a call."""
@@ -79,8 +81,8 @@ class Router:
         # what an execution's progress looks like, for the cost-aware policy's estimates
         self._calls_done: dict[str, int] = {}     # live execution -> calls answered so far
         self._first_call: dict[str, float] = {}   # ... and when its first call was made
-        self.finished_calls: list[int] = []       # calls of each execution that ended
-        self.finished_period_s: list[float] = []  # ... and its seconds per call (the call and its turn)
+        self.finished_calls: deque[int] = deque(maxlen=HISTORY)      # calls of each execution that ended (the
+        self.finished_period_s: deque[float] = deque(maxlen=HISTORY)  # latest) and its seconds per call and turn
 
     # -- the harness side ------------------------------------------------------------------------
     def call(self, execution_id: str, req: CallRequest) -> Completion:
@@ -98,7 +100,8 @@ class Router:
             raise RouterAborted(self._aborted or "aborted")
         self.call_s.append(time.monotonic() - t0)   # wait for a slot included: what the execution sees
         with self._lock:
-            self._calls_done[execution_id] = self._calls_done.get(execution_id, 0) + 1
+            if execution_id in self._first_call:      # (not a call that ended after its execution was released)
+                self._calls_done[execution_id] = self._calls_done.get(execution_id, 0) + 1
         return c.result
 
     def progress(self) -> tuple[list[int], list[int], list[float]]:

@@ -157,6 +157,7 @@ class Coordinator:
         self.load: list[tuple[float, int]] = []   # (t, unfinished executions) at every dispatch and finish
         self.micro_s: list[float] = []             # device seconds of each micro-step, as the cell measured
         self._calls_dist: CallDistribution | None = None   # the cost-aware policy's, rebuilt as executions end
+        self._calls_dist_at = -1
         self.optim_s: list[float] = []             # ... of each update (optimizer step and publish)
         self.reduce_s: list[float] = []            # ... of the core's part of each update's reduce
         self.trained_in: dict[int, set[int]] = {}  # version → cells whose micro-steps for it counted
@@ -325,8 +326,8 @@ class Coordinator:
         live, ended, period = self.router.progress()
         if len(ended) < self.MEASURED_BEFORE_ESTIMATES:
             return None
-        if self._calls_dist is None or len(self._calls_dist) != len(ended):
-            self._calls_dist = CallDistribution(ended)
+        if self._calls_dist is None or self._calls_dist_at != self.finished:    # rebuilt as executions end
+            self._calls_dist, self._calls_dist_at = CallDistribution(ended), self.finished
         unstarted = max(0, self.dispatched - self.finished - len(live))
         per_execution = statistics.fmean(self.micro_s) / self.cfg.micro_step_executions
         train = (self.stream.untrained(self.version) * per_execution

@@ -395,34 +395,37 @@ def hand_over(satellite, core) -> None:
     satellite.zero_gradients()
 
 
-def finish_step_within_kl(trainer, n_executions: int, probe, *, max_kl: float, backtracks: int, lr: float, reopen,
-                          max_tokens: int, **shift_kw) -> tuple[Any, dict[str, float]]:
+def finish_step_within_kl(trainer, n_executions: int, probe, *, max_kl: float, backtracks: int, lr: float, restore,
+                          max_tokens: int, temperature: float = 1.0, **shift_kw) -> dict[str, float]:
     """`finish_step` under the step loop's KL guard (`rl.max_kl`): after the update, the k3 estimate of
-    KL(behaviour ‖ new policy) per token over `probe` (sequences of the step); above `max_kl` the update is
-    undone — `reopen()` returns a trainer back at the step's checkpoint (weights and optimizer state) — and
-    redone from the same summed gradient at half the rate, up to `backtracks` times (the last try is kept).
-    The gradient at the step's weights does not depend on the rate, so a redo equals the step loop's (which
-    recomputes it from the checkpoint). `shift_kw` goes to `Trainer.policy_shift`. Returns the trainer that
-    holds the update and {kl, kl_backtracks, lr, grad_norm}; the trainer's rate is `lr` again."""
+    KL(π_before ‖ π_after) per token over `probe` (sequences of the step; measured against the weights the
+    step trained from, not the behaviour log-probs, which stale tokens would put past the bound whatever the
+    rate); past `max_kl` the update is undone — `restore()` puts the trainer back at the step's checkpoint
+    (weights and optimizer state) — and redone from the same summed gradient at half the rate, up to
+    `backtracks` times (the last try is kept). The gradient at the step's weights does not depend on the
+    rate, so a redo equals the step loop's (which recomputes it from the checkpoint). `shift_kw` goes to
+    `Trainer.policy_shift`. Returns {kl, kl_backtracks, lr, grad_norm}; the trainer's rate is `lr` again."""
     from ..processor.batch import micro_batches
 
+    chunks = micro_batches(probe, max_tokens)
+    before = [trainer.logprobs(chunk, temperature=temperature) for chunk in chunks]
     grads = trainer.gradients()
     for b in range(backtracks + 1):
         if b:
-            trainer = reopen()
+            restore()
             trainer.zero_gradients()
             trainer.add_gradients(grads)
         trainer.set_lr(lr * 0.5 ** b)
         norm = finish_step(trainer, n_executions)
         shift = {"kl": 0.0, "tokens": 0.0}
-        for chunk in micro_batches(probe, max_tokens):
-            for key, v in trainer.policy_shift(chunk, **shift_kw).items():
+        for chunk, ref in zip(chunks, before):
+            for key, v in trainer.policy_shift(chunk, temperature=temperature, reference=ref, **shift_kw).items():
                 shift[key] = shift.get(key, 0.0) + v
         kl = shift["kl"] / max(shift["tokens"], 1.0)
         if kl <= max_kl:
             break
     trainer.set_lr(lr)
-    return trainer, {"kl": kl, "kl_backtracks": float(b), "lr": lr * 0.5 ** b, "grad_norm": norm}
+    return {"kl": kl, "kl_backtracks": float(b), "lr": lr * 0.5 ** b, "grad_norm": norm}
 
 
 def finish_step(trainer, n_executions: int) -> float:

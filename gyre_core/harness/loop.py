@@ -46,7 +46,9 @@ class Completion:
 
 
 class Policy(Protocol):
-    """Anything that answers a batch of model calls (the LLM engine, the expert, a random policy)."""
+    """Anything that answers a batch of model calls (the LLM engine, the expert, a random policy). It may also
+    have `ended(execution_id)`: called as an execution makes its last call, before its evaluator runs (the
+    elastic phase's router frees the execution's slot there)."""
 
     def complete(self, calls: list[ModelCall]) -> list[Completion]: ...
     def release(self, key: str) -> None: ...
@@ -355,8 +357,12 @@ def run_executions(specs: list[ExecutionSpec], policy: Policy, cfg: HarnessConfi
 
     evaluators = _Evaluators(cfg.score_workers, settle)
 
+    ended = getattr(policy, "ended", None)
+
     def retire(i: int, ex: Execution) -> None:
         policy.release(ex._context_key)
+        if ended is not None:
+            ended(ex.record.execution_id)
         if ex.to_score:
             evaluators.submit(i, ex)
         else:

@@ -149,7 +149,10 @@ class RouterPolicy:
                 for o in outs]
 
     def release(self, key: str) -> None:
-        self.router.forget(key)   # the serving cell drops the context's K/V (the slot: HarnessWork frees it)
+        self.router.forget(key)   # the serving cell drops the context's K/V
+
+    def ended(self, execution_id: str) -> None:
+        self.router.release(execution_id)   # its last call is made: the slot is free while it is scored
 
 
 class HarnessWork:
@@ -220,20 +223,19 @@ class HarnessWork:
 
         b = policy_bundle(self.run)
 
-        def finished(rec) -> None:
-            router.release(rec.execution_id)
-            self._finished(rec, report)
-
         if self.cfg.harness.command:      # the external program, its calls through the proxy to the router
-            from ..harness.external import resolve_command, run_one
+            from ..harness.external import resolve_command, run_agent, score_agent
 
             proxy, server = self._proxy
-            return finished(run_one(self.cfg, proxy, server.base_url, resolve_command(self.cfg.harness.command),
-                                    spec, env_factory(self.cfg, rollout=True)()))
+            env = env_factory(self.cfg, rollout=True)()
+            rec, workspace = run_agent(self.cfg, proxy, server.base_url, resolve_command(self.cfg.harness.command),
+                                       spec, env)
+            router.release(rec.execution_id)          # the slot is free while its workspace is scored
+            return self._finished(score_agent(self.cfg, rec, workspace, env), report)
 
         policy = RouterPolicy(router, self.cfg.rollout.temperature, self.cfg.harness.max_new_tokens)
         run_executions([spec], policy, self.cfg.harness, env_factory(self.cfg, rollout=True), b.chat, b.stop_texts, 1,
-                       finished)
+                       lambda rec: self._finished(rec, report))
 
     def _finished(self, rec, report: Report) -> None:
         """Once a task's group is all in, process it as the step loop processes a step (`step_batch`: dedup,

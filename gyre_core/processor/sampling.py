@@ -10,7 +10,7 @@ Per execution (leaves it has an occurrence at), repeated up to `j_max` times:
 1. the highest-priority role (`role_order`) that still has a leaf with uncovered generated tokens
    (and, under a token budget, a leaf that still fits) is chosen;
 2. a leaf of that role is drawn with probability ∝ its uncovered generated tokens (each execution draws
-   from a random stream of its own, seeded by the step's seed and its id);
+   from a random stream of its own, seeded by the step's seed and its id within the run);
 3. its root-to-leaf path is marked covered for the execution (so a shared prefix counts once).
 Executions take turns (round j gives every execution its j-th path, in a random order), so a step-wide
 `token_budget` cannot be spent by a few executions. The budget counts packed tokens: a path costs only
@@ -161,11 +161,15 @@ def candidates(trees: list[TrajectoryTree], cuts: list[dict[int, Cut]], keep: se
 
 
 def select(trees: list[TrajectoryTree], cands: dict[tuple[int, int], list[Candidate]],
-           cfg: SamplingConfig) -> list[np.ndarray]:
+           cfg: SamplingConfig, keys: Mapping[str, str] | None = None) -> list[np.ndarray]:
     """Run the sampler over all executions; fills in the candidates' outcome. Returns, per tree, the
-    covered-token count per node of the union U of all selected paths."""
+    covered-token count per node of the union U of all selected paths. `keys`: each execution's name for
+    its random stream (default its id; `tree_batch` passes the id within its run, so a run's draws do not
+    depend on the run's name)."""
+    keys = keys or {}
     rng = np.random.default_rng(cfg.seed)      # the order executions take their turns in (matters under a budget)
-    draws = {k: np.random.default_rng(execution_seed(cfg.seed, trees[k[0]].execution_ids[k[1]])) for k in cands}
+    draws = {k: np.random.default_rng(execution_seed(cfg.seed, keys.get(eid, eid)))
+             for k in cands for eid in (trees[k[0]].execution_ids[k[1]],)}
     union = [np.zeros(t.n_nodes, dtype=np.int64) for t in trees]
     cov = {k: np.zeros(trees[k[0]].n_nodes, dtype=np.int64) for k in cands}
     remaining = cfg.token_budget
@@ -211,7 +215,8 @@ def select(trees: list[TrajectoryTree], cands: dict[tuple[int, int], list[Candid
 
 def execution_seed(seed: int, execution_id: str) -> int:
     """The seed of an execution's own draws: what it selects depends on nothing else (without a budget), so
-    a step's tasks can be processed one at a time (`processor.step_batch`)."""
+    a step's tasks can be processed one at a time (`processor.step_batch`). `execution_id`: its id within
+    the run (two runs of the same config and seed, under other names, draw alike)."""
     return int.from_bytes(hashlib.sha256(f"{seed}/{execution_id}".encode()).digest()[:8], "little")
 
 
@@ -329,7 +334,7 @@ def tree_batch(records: list[ExecutionRecord], advantages: Mapping[str, float],
     credits = [tree_credit(t, rewards or {}, credit, mult) for t in trees]
     cuts = [prune_loops(t, prune) if prune is not None else {} for t in trees]
     cands = candidates(trees, cuts, None, sampling.role_order)
-    union = select(trees, cands, sampling)
+    union = select(trees, cands, sampling, {r.execution_id: r.execution_id.removeprefix(f"{r.run_id}/") for r in keep})
     seqs, kept = emit(trees, cands, advantages, credits, credit, sampling.weighting, mult)
     flat = [c for cs in cands.values() for c in cs]
     sel = [c for c in flat if c.selected]

@@ -199,15 +199,16 @@ class Trainer:
 
     @torch.no_grad()
     def policy_shift(self, seqs, *, temperature: float = 1.0, clip_low: float = 0.2,
-                     clip_high: float = 0.28) -> dict[str, float]:
-        """After an update: how far the policy moved from the behaviour policy on these sequences.
+                     clip_high: float = 0.28, reference: torch.Tensor | None = None) -> dict[str, float]:
+        """After an update: how far the policy moved from the behaviour policy on these sequences (or from
+        `reference`, log-probs of the same entries from `logprobs()`, e.g. the weights before the update).
 
         Sums over scored tokens of the k3 estimate of KL(μ‖π) and of ratios outside the clip range.
         """
         c = self._collate(seqs)
         out = self.engine(**c.model_inputs())
         logp, _ = token_logprobs(out.logits, c, temperature)
-        log_r = logp.double() - c.old_logprobs
+        log_r = logp.double() - (c.old_logprobs if reference is None else reference.to(logp.device))
         r = log_r.exp()
         return {"kl": ((r - 1) - log_r).sum().item(), "tokens": float(c.tgt.numel()),
                 "clipped": ((r < 1 - clip_low) | (r > 1 + clip_high)).double().sum().item()}

@@ -314,7 +314,8 @@ def test_what_cannot_be_streamed_exactly_is_refused():
 def test_the_kl_guard_redoes_the_streamed_update_at_the_step_loops_rate(tmp_path):
     """`rl.max_kl` on the elastic core: an update that moved the policy too far is undone from the step's
     checkpoint and redone from the same gradient at half the rate; the kept update equals a plain streamed
-    update at that rate (what the step loop's backtracking makes), and its KL is the one reported."""
+    update at that rate (what the step loop's backtracking makes), and its KL — against the weights the step
+    trained from, here also the behaviour policy — is the one reported."""
     model = _model()
     executions = _executions(seed=4, n=10)
     with torch.no_grad():       # on-policy behaviour log-probs: the KL then measures the update alone
@@ -332,15 +333,11 @@ def test_the_kl_guard_redoes_the_streamed_update_at_the_step_loops_rate(tmp_path
 
     def guarded(max_kl, backtracks=3):
         t, n = streamed(LR)
-        t.save(str(tmp_path), "step", {})
-
-        def reopen():
-            fresh = Trainer(copy.deepcopy(model), lr=LR, zero_stage=1, grad_clip=1e9)
-            fresh.load(str(tmp_path), "step")
-            return fresh
-
-        return finish_step_within_kl(t, n, probe, max_kl=max_kl, backtracks=backtracks, lr=LR, reopen=reopen,
-                                     max_tokens=40, clip_low=CLIP_LOW, clip_high=CLIP_HIGH)
+        t.save(str(tmp_path), "step", {})      # the step's checkpoint, loaded back into the same trainer
+        stats = finish_step_within_kl(t, n, probe, max_kl=max_kl, backtracks=backtracks, lr=LR,
+                                      restore=lambda: t.load(str(tmp_path), "step"), max_tokens=40,
+                                      clip_low=CLIP_LOW, clip_high=CLIP_HIGH)
+        return t, stats
 
     def kl_of(t):
         shift = [t.policy_shift([s], clip_low=CLIP_LOW, clip_high=CLIP_HIGH) for s in probe]
