@@ -32,7 +32,8 @@
    measured colocated / async / elastic runs and the floor; `emulated_training_heavy` the same fleet with
    training 62% of the device work (where the waterlevel loses to a static split), elastic vs cost-aware vs
    async at the simulator's best split; `min_vs_best_static` the worst ratio of cost-aware's step time to
-   the best static split over the simulator tables' regimes (`_elastic`: the waterlevel's).
+   the best static split over the simulator tables' regimes (`_elastic`: the waterlevel's; `_adaptive`: the
+   verl-style switch's); `adaptive_baseline_vs_async` that switch on async's best split vs async, simulated.
 """
 from __future__ import annotations
 
@@ -220,7 +221,11 @@ def bench_elastic(quick: bool = False, out_dir: str = "data/bench/elastic") -> d
         ca = emu_ca.step_s
         out.update(cost_aware_vs_async=emu_step["async"] / ca, cost_aware_vs_colocated=emu_step["colocated"] / ca,
                    cost_aware_vs_elastic=emu_step["elastic"] / ca, cost_aware_vs_floor=ca / floor,
-                   min_vs_best_static=worst["cost-aware"], min_vs_best_static_elastic=worst["elastic"])
+                   min_vs_best_static=worst["cost-aware"], min_vs_best_static_elastic=worst["elastic"],
+                   min_vs_best_static_adaptive=worst["adaptive"],
+                   # verl-style adaptive switching on async's best split, in the simulator on the emulated fleet
+                   adaptive_baseline_vs_async=sim["async"].step_s / simulate(
+                       w_sim, K_EMULATED, CAPACITY_EMULATED, "adaptive", best, 1, MICRO_EMULATED).step_s)
         # the headline figures, at the top level
         out.update(
             step_s={p: emu_step[p] for p in POLICIES},

@@ -586,7 +586,7 @@ def main(argv: list[str] | None = None) -> int:
     sm.add_argument("--profile", default="laptop", help="laptop | paper-122b | paper-2.4t")
     sm.add_argument("--set", action="append", metavar="KEY=VALUE",
                     help="fleet (k, capacity, micro_step_executions, max_staleness) or workload field, e.g. call_s=20")
-    sm.add_argument("--policy", default="all", choices=("all", "colocated", "async", "elastic", "cost-aware"))
+    sm.add_argument("--policy", default="all", choices=("all", "colocated", "async", "elastic", "cost-aware", "adaptive"))
     sm.add_argument("--async-split", default="best", help="train cells for async, or `best` to sweep 1..K−1")
     sm.add_argument("--trace-json", default=None, help="JSON list of calls per execution to resample")
     sm.add_argument("--json", action="store_true", help="one line of JSON")

@@ -44,10 +44,10 @@ def tables(out) -> dict[str, list[float]]:
     """Both tables, each line handed to `out`; returns each policy's ratios to the best static split."""
     print = out           # noqa: A001 - the tables go wherever the caller says
     base = dataclasses.replace(WORKLOAD, call_s=0.03, env_s=0.06, optimizer_s=0.05, steps=16)
-    vs_static = {"elastic": [], "cost-aware": []}      # each policy over the best static split, every regime
-    print("| train s / call | training share | colocated | async (split) | elastic | cost-aware | elastic vs "
-          "colocated / async | cost-aware vs colocated / async |")
-    print("|---:|---:|---:|---:|---:|---:|---:|---:|")
+    vs_static = {"elastic": [], "cost-aware": [], "adaptive": []}   # each policy over the best static split
+    print("| train s / call | training share | colocated | async (split) | elastic | cost-aware | adaptive (verl-style) "
+          "| elastic vs colocated / async | cost-aware vs colocated / async |")
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for t in TRAIN_S_PER_CALL:
         w = dataclasses.replace(base, train_s_per_call=t)
         share = t / (t + w.call_s)          # per trained call: training's device seconds over all of them
@@ -56,7 +56,7 @@ def tables(out) -> dict[str, list[float]]:
         for p in vs_static:
             vs_static[p].append(s["async"] / s[p])
         print(f"| {t} | {share:.0%} | {s['colocated']:.2f} s | {s['async']:.2f} s ({d['async_split']}) | "
-              f"{s['elastic']:.2f} s | {s['cost-aware']:.2f} s | {d['speedup_vs_colocated']:.2f}× / "
+              f"{s['elastic']:.2f} s | {s['cost-aware']:.2f} s | {s['adaptive']:.2f} s | {d['speedup_vs_colocated']:.2f}× / "
               f"{d['speedup_vs_async']:.2f}× | {d['cost_aware_vs_colocated']:.2f}× / {d['cost_aware_vs_async']:.2f}× |")
     w = dataclasses.replace(base, train_s_per_call=0.004)
     print("\n| slots per cell | max_staleness | colocated | async (split) | async, worst split | elastic | cost-aware "

@@ -51,6 +51,8 @@ class Comparison:
                 "cost_aware_vs_elastic": self.speedup("cost-aware", "elastic"),
                 "cost_aware_vs_floor": (self.results["cost-aware"].step_s / self.step_s_floor
                                         if "cost-aware" in self.results else None),   # (≥ 1: over the floor)
+                "adaptive_baseline_vs_async": self.speedup("adaptive", "async"),
+                "cost_aware_vs_adaptive": self.speedup("cost-aware", "adaptive"),
                 "async_split": self.async_split, "async_sweep": {str(s): v for s, v in self.async_sweep.items()},
                 "step_s_floor": self.step_s_floor,
                 "max_speedup_vs_async": self.max_speedup_vs_async,
@@ -68,6 +70,10 @@ def compare_results(workload: Workload, k: int, capacity: int, max_staleness: in
     sweep: dict[int, float] = {}
     split = None
     for name in policies:
+        if name == "adaptive":      # verl's switch on async's (best) split: the baseline as its users would run it
+            if k >= 2:
+                results[name] = simulate(workload, k, capacity, name, split or 1, max_staleness, micro_step_executions)
+            continue
         if name != "async":
             results[name] = simulate(workload, k, capacity, name, 1, max_staleness, micro_step_executions)
             continue
@@ -105,7 +111,7 @@ def format_comparison(c: Comparison, title: str, paper: dict | None = None) -> s
              f"{w.steps} steps, max_staleness {c.max_staleness}, micro-steps of {c.micro_step_executions}",
              f"{'policy':<12}{'step':>11}{'busy':>8}{'rollout':>9}{'train':>8}{'switches':>10}{'moved':>8}"]
     for name, r in c.results.items():
-        label = f"async({r.async_train_cells})" if name == "async" else name
+        label = f"{name}({r.async_train_cells})" if name in ("async", "adaptive") else name
         lines.append(f"{label:<12}{fmt_s(r.step_s):>11}{r.busy_frac:>8.3f}{r.busy_frac_rollout:>9.3f}"
                      f"{r.busy_frac_train:>8.3f}{r.switches:>10d}{r.moved_executions:>8d}")
     lines.append("(busy: fraction of cell-seconds with device work, overall and in each role; "

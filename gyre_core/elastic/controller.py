@@ -17,6 +17,8 @@ With dispatched d and finished f, the unfinished executions are w = d − f:
                longest-first makespan of the tail estimates), it is the waterlevel; when it does not —
                training is the critical path, as when a new burst would send every cell back to rollout —
                it takes the t ≥ the waterlevel's that minimises max(R(t), training ÷ t).
+- `adaptive`:  a baseline after verl's rollout switch: `async`'s split, its training cells lent to rollout
+               at a step boundary while the buffer of trainable executions is short (`AdaptiveSwitch`).
 """
 from __future__ import annotations
 
@@ -87,6 +89,10 @@ class Counters:
     dispatched: int       # d: executions handed to the router so far (cumulative)
     finished: int         # f: executions that have ended (cumulative)
     estimates: Estimates | None = None    # for `cost-aware` (without them it is the waterlevel)
+    version: int = 0      # published versions so far (= the burst being trained)
+    ready: int = 0        # that burst's executions finished and not yet taken by a training cell
+    untrained: int = 0    # that burst's executions not yet trained (finished or not); 0: none to train
+    burst_size: int = 0   # executions of a burst (0: not given — `adaptive` is then plain `async`)
 
     @property
     def unfinished(self) -> int:
@@ -190,6 +196,40 @@ def makespan(remaining: list[float], slots: int) -> float:
     return max(ends)
 
 
+@dataclass(slots=True)
+class AdaptiveSwitch:
+    """A baseline after verl's separate-async trainer with its rollout switch (`enable_switch`, described from
+    its documentation and pull request, not its code): a fixed split of `train` trainer cells, as `async`;
+    at a step boundary, when the replay buffer (finished, untrained executions of the burst to train) is
+    short, the trainer cells are lent to rollout, and reclaimed once it holds `threshold` × a burst; the
+    threshold adapts to how starved the trainer is — raised (×1.25) when reclaimed trainer cells ran out of
+    executions to train before the burst was done, lowered (×0.9) after a step they did not."""
+
+    train: int
+    threshold: float = 0.5
+    lent: bool = False
+    starved: bool = False
+    version: int = -1
+    name: str = "adaptive"
+
+    def train_cells(self, c: Counters) -> int:
+        if c.k == 1:
+            return Colocated().train_cells(c)
+        t = min(self.train, c.k - 1)
+        if c.burst_size <= 0:
+            return t
+        if c.version != self.version:             # a step boundary: adapt, and lend if the buffer is short
+            if self.version >= 0 and not self.lent:
+                self.threshold = min(1.0, self.threshold * 1.25) if self.starved else max(0.05, self.threshold * 0.9)
+            self.version, self.starved = c.version, False
+            self.lent = c.ready < self.threshold * c.burst_size
+        if self.lent and (c.ready >= self.threshold * c.burst_size or c.ready >= c.untrained > 0):
+            self.lent = False                       # reclaimed: enough to train (or all there is)
+        elif not self.lent and c.ready == 0 and c.untrained > 0:
+            self.starved = True                     # training cells waiting for executions
+        return 0 if self.lent else t
+
+
 def make_policy(name: str, async_train_cells: int = 1) -> RolePolicy:
     if name == "colocated":
         return Colocated()
@@ -199,7 +239,9 @@ def make_policy(name: str, async_train_cells: int = 1) -> RolePolicy:
         return Waterlevel()
     if name == "cost-aware":
         return CostAware()
-    raise ValueError(f"elastic.policy: unknown policy {name!r} (colocated, async, elastic, cost-aware)")
+    if name == "adaptive":
+        return AdaptiveSwitch(async_train_cells)
+    raise ValueError(f"elastic.policy: unknown policy {name!r} (colocated, async, elastic, cost-aware, adaptive)")
 
 
 def roles(k: int, t: int) -> list[str]:

@@ -70,7 +70,7 @@ from .timeline import BusySpan, RoleSpan, SwitchMark, busy_fractions
 from .workload import Workload
 
 SWITCHING = "switching"
-POLICIES = ("colocated", "async", "elastic", "cost-aware")
+POLICIES = ("colocated", "async", "elastic", "cost-aware", "adaptive")
 _FINISH, _SWITCH, _MICRO, _OPTIM = range(4)
 
 
@@ -179,7 +179,7 @@ class _Sim:
         self.period = w.call_s + w.env_s
         self.policy_name = policy
         self.policy = make_policy(policy, async_train_cells)
-        self.split = async_train_cells if policy == "async" else None
+        self.split = async_train_cells if policy in ("async", "adaptive") else None
         self.staleness = 0 if policy == "colocated" else max_staleness
         self.cells = [_Cell(i) for i in range(k)]
         self.execs: list[_Exec] = []
@@ -249,8 +249,8 @@ class _Sim:
     # -- rules 1 and 4: roles and switches -------------------------------------------------------------
     def _roles(self) -> None:
         want = sum(c.target == TRAIN for c in self.cells)
-        d = decide(self.policy, Counters(self.k, self.cap, self.dispatched, self.finished, self._estimates()),
-                   want, self.now)
+        d = decide(self.policy, Counters(self.k, self.cap, self.dispatched, self.finished, self._estimates(),
+                                         *self._buffer()), want, self.now)
         if d.train_after != want:
             self.decisions.append(d)
         for c in self.cells:
@@ -274,6 +274,15 @@ class _Sim:
             b = self.bursts[self.version]
             train += sum(b.pending) + sum(w.train_s(n) for n in b.buffer) + w.optimizer_s + w.publish_s
         return Estimates.of(list(done.values()), self.calls_dist, self.period, train)
+
+    def _buffer(self) -> tuple[int, int, int, int]:
+        """(version, the trainable burst's finished executions not yet claimed, its executions not yet
+        trained, executions a burst): what `adaptive` reads."""
+        if self.version >= len(self.bursts):
+            return self.version, 0, 0, self.w.executions_per_step
+        b = self.bursts[self.version]
+        ready = len(b.buffer) + self.micro * len(b.pending)
+        return self.version, ready, max(0, b.size - self.micro * b.done), self.w.executions_per_step
 
     def _calls_done(self, ex: _Exec) -> int:
         """Calls `ex` has completed by now (observable: its calls so far)."""
@@ -489,8 +498,8 @@ def _check_args(w: Workload, k: int, capacity: int, policy: str, split: int, sta
         raise ValueError("sim: the workload needs steps ≥ 1 and executions_per_step ≥ 1")
     if staleness < 0:
         raise ValueError(f"sim: max_staleness must be ≥ 0, got {staleness}")
-    if policy == "async" and not 1 <= split <= k - 1:
-        raise ValueError(f"sim: async needs 1 ≤ async_train_cells ≤ k − 1 = {k - 1}, got {split}")
+    if policy in ("async", "adaptive") and not 1 <= split <= k - 1:
+        raise ValueError(f"sim: {policy} needs 1 ≤ async_train_cells ≤ k − 1 = {k - 1}, got {split}")
     if min(w.call_s, w.env_s, w.train_s_per_call, w.optimizer_s, w.publish_s,
            w.switch_to_train_s, w.switch_to_rollout_s) < 0:
         raise ValueError("sim: workload durations must be ≥ 0")

@@ -155,7 +155,7 @@ def _device_time(segments, call_s: float, period: float) -> float:
     return total
 
 
-@pytest.mark.parametrize("policy", ["colocated", "async", "elastic", "cost-aware"])
+@pytest.mark.parametrize("policy", ["colocated", "async", "elastic", "cost-aware", "adaptive"])
 def test_moves_neither_lose_nor_repeat_device_time(policy):
     """Across random small fleets and bursts, every call gets exactly call_s of device time in all, however
     often its execution moved, and every execution finishes once."""
@@ -264,7 +264,8 @@ def test_cli_json(tmp_path, capsys):
     assert rc == 0
     out = json.loads(capsys.readouterr().out)
     pol = out["policies"]
-    assert set(pol) == {"colocated", "async", "elastic", "cost-aware"}
+    assert set(pol) == {"colocated", "async", "elastic", "cost-aware", "adaptive"}
+    assert pol["adaptive"]["async_train_cells"] == out["async_split"]       # the baseline on async's split
     assert out["speedup_vs_colocated"] == pytest.approx(pol["colocated"]["step_s"] / pol["elastic"]["step_s"])
     assert out["cost_aware_vs_async"] == pytest.approx(pol["async"]["step_s"] / pol["cost-aware"]["step_s"])
     assert out["speedup_vs_async"] == pytest.approx(pol["async"]["step_s"] / pol["elastic"]["step_s"])
@@ -374,3 +375,18 @@ def test_cost_aware_never_slower_than_the_waterlevel_here_and_faster_when_traini
             assert ca.step_s < 0.95 * el.step_s, (t, ca.step_s, el.step_s)
         else:
             assert ca.step_s == el.step_s and [d.train_after for d in ca.decisions] == [d.train_after for d in el.decisions]
+
+
+def test_the_verl_style_switch_lends_its_training_cells_while_the_buffer_is_short():
+    from gyre_core.elastic.controller import AdaptiveSwitch, Counters
+
+    p = AdaptiveSwitch(2)                                   # 2 training cells of 5; threshold 0.5 of a burst of 10
+    c = lambda version, ready, untrained: Counters(5, 4, 20, 10, None, version, ready, untrained, 10)  # noqa: E731
+    assert p.train_cells(c(0, 0, 10)) == 0 and p.lent       # a step begins with an empty buffer: lent to rollout
+    assert p.train_cells(c(0, 4, 10)) == 0                  # 4 < 5 ready
+    assert p.train_cells(c(0, 5, 10)) == 2 and not p.lent   # reclaimed at 5
+    assert p.train_cells(c(0, 0, 3)) == 2 and p.starved     # ran dry before the burst was trained
+    assert p.train_cells(c(1, 2, 10)) == 0 and p.threshold == pytest.approx(0.625)   # raised, and lent again
+    assert p.train_cells(c(1, 7, 10)) == 2                  # 7 ≥ 6.25
+    assert p.train_cells(c(2, 9, 10)) == 2 and p.threshold == pytest.approx(0.5625)  # not starved: lowered; 9 ≥ 5.6
+    assert AdaptiveSwitch(3).train_cells(Counters(5, 4, 20, 10)) == 3                # no buffer counts: async
