@@ -213,6 +213,12 @@ def select(trees: list[TrajectoryTree], cands: dict[tuple[int, int], list[Candid
     return union
 
 
+def local_id(execution_id: str) -> str:
+    """An execution's id within its run: Gyre names executions `<run id>/...`, and a replay keeps the stored
+    run's ids under its own run id, so the first component is dropped whatever it is."""
+    return execution_id.split("/", 1)[-1]
+
+
 def execution_seed(seed: int, execution_id: str) -> int:
     """The seed of an execution's own draws: what it selects depends on nothing else (without a budget), so
     a step's tasks can be processed one at a time (`processor.step_batch`). `execution_id`: its id within
@@ -334,7 +340,7 @@ def tree_batch(records: list[ExecutionRecord], advantages: Mapping[str, float],
     credits = [tree_credit(t, rewards or {}, credit, mult) for t in trees]
     cuts = [prune_loops(t, prune) if prune is not None else {} for t in trees]
     cands = candidates(trees, cuts, None, sampling.role_order)
-    union = select(trees, cands, sampling, {r.execution_id: r.execution_id.removeprefix(f"{r.run_id}/") for r in keep})
+    union = select(trees, cands, sampling, {r.execution_id: local_id(r.execution_id) for r in keep})
     seqs, kept = emit(trees, cands, advantages, credits, credit, sampling.weighting, mult)
     flat = [c for cs in cands.values() for c in cs]
     sel = [c for c in flat if c.selected]
