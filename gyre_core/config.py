@@ -197,7 +197,7 @@ class RLConfig(_Section):
     behaviour policy (mean per-token KL(μ‖π) on the micro-batches `train/kl` measures), it is undone and
     redone at half the learning rate, up to `kl_backtracks` times (the last try is kept). None: off. The
     elastic phase redoes its streamed update from the step's checkpoint on the core, the KL measured on every
-    4th execution of the step."""
+    4th execution of the step against the weights it trained from (stale tokens are not the update's doing)."""
     kl_backtracks: int = Field(4, ge=1)
     """`max_kl`: most halvings of the learning rate in one step."""
     partial_reward: float = Field(0.1, ge=0, le=1)

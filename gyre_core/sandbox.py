@@ -78,6 +78,8 @@ def bwrap_path() -> str:
     if path is None:
         raise SandboxError("bubblewrap (bwrap) is not installed: run `bash scripts/install.sh` as root, or "
                            "`sudo apt-get install bubblewrap`")
+    if shutil.which("prlimit") is None:
+        raise SandboxError("prlimit (util-linux) is not installed: `sudo apt-get install util-linux`")
     return path
 
 
