@@ -5,6 +5,7 @@ both train through.
     kept_as = duplicates(records)                                    # identical executions of a task
     adv, mult = score_executions(rows, kept_as, cfg.rl)              # group-relative, duplicates collapsed
     batch = training_batch(records, adv, rewards, mult, cfg, seed)   # TreeBatch (tree mode) or TrainBatch
+    batch, adv, mult, kept_as = records_batch(records, cfg, seed)    # the three above, on records in memory
     items = group_items(group, cfg, seed)                            # the elastic phase: one task's group
 
 Every stage works task by task: a task's executions are deduplicated, scored, built into one tree, pruned,
@@ -81,19 +82,25 @@ def training_batch(records: list[ExecutionRecord], advantages: Mapping[str, floa
                       prune=PruneConfig(pc.prune_repeats, pc.prune_period) if pc.prune_repeats else None)
 
 
+def records_batch(records: list[ExecutionRecord], cfg, seed: int, token_budget: int | None = None):
+    """Records in memory (rewards assigned) through dedup (`processor.dedup`), scoring and `training_batch`:
+    (the batch, advantages, multiplicities of the kept executions, kept_as of every scored one)."""
+    kept_as = duplicates(records) if cfg.processor.dedup else {}
+    adv, mult, kept = score_executions(((r.execution_id, r.task_id, r.status, r.reward) for r in records),
+                                       kept_as, cfg.rl)
+    trained = [r for r in records if r.execution_id in adv and kept[r.execution_id] == r.execution_id]
+    batch = training_batch(trained, {r.execution_id: adv[r.execution_id] for r in trained},
+                           {r.execution_id: r.reward for r in trained}, mult, cfg, seed, token_budget)
+    return batch, adv, mult, kept
+
+
 def group_items(group: list[ExecutionRecord], cfg, seed: int) -> list[tuple[str, object, list[int], int, str]]:
     """One task's complete group, processed as the step loop processes a step (rewards already assigned):
     per execution (id, its sequences or None, the behaviour versions of its trained tokens, the executions
     it stands for in the normaliser, why it is not trained — "" when it is)."""
     pc = cfg.processor
-    kept_as = duplicates(group) if pc.dedup else {}
-    adv, mult, kept = score_executions(((r.execution_id, r.task_id, r.status, r.reward) for r in group), kept_as,
-                                       cfg.rl)
-    trained = [r for r in group if r.execution_id in adv and kept[r.execution_id] == r.execution_id]
-    share = pc.token_budget // cfg.rollout.tasks_per_step if pc.token_budget else None
-    batch = training_batch(trained, {r.execution_id: adv[r.execution_id] for r in trained},
-                           {r.execution_id: r.reward for r in trained}, mult, cfg, seed,
-                           token_budget=max(share, 1) if share is not None else None)
+    share = max(pc.token_budget // cfg.rollout.tasks_per_step, 1) if pc.token_budget else None
+    batch, adv, mult, kept = records_batch(group, cfg, seed, share)
     seqs: dict[str, list] = {}
     for sq in batch.sequences:            # a record that does not line up is excluded by the batch
         seqs.setdefault(sq.execution_id, []).append(sq)
@@ -111,4 +118,4 @@ def group_items(group: list[ExecutionRecord], cfg, seed: int) -> list[tuple[str,
     return items
 
 
-__all__ = ["duplicates", "score_executions", "training_batch", "group_items"]
+__all__ = ["duplicates", "score_executions", "training_batch", "records_batch", "group_items"]

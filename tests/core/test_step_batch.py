@@ -19,7 +19,7 @@ from gyre_core.harness.loop import ExecutionSpec, fork_tree, run_executions
 from gyre_core.harness.policies import ExpertPolicy
 from gyre_core.model import IM_END, train_tokenizer
 from gyre_core.processor.batch import assign_reward
-from gyre_core.processor.step_batch import duplicates, group_items, score_executions, training_batch
+from gyre_core.processor.step_batch import duplicates, group_items, records_batch
 from gyre_core.trainer.packing import pack_branches
 from gyre_core.trainer.trainer import Trainer
 
@@ -68,11 +68,7 @@ def _cfg(**extra):
 
 def _whole(cfg, recs):
     """The step loop's path: the step's executions processed at once."""
-    adv, mult, kept = score_executions(((r.execution_id, r.task_id, r.status, r.reward) for r in recs),
-                                       duplicates(recs), cfg.rl)
-    trained = [r for r in recs if r.execution_id in adv and kept[r.execution_id] == r.execution_id]
-    return training_batch(trained, {r.execution_id: adv[r.execution_id] for r in trained},
-                          {r.execution_id: r.reward for r in trained}, mult, cfg, SEED)
+    return records_batch(recs, cfg, SEED)[0]
 
 
 def _by_group(cfg, recs):

@@ -28,14 +28,10 @@ CREDIT = ["rl.progress_credit=1.0", "processor.mode=flat"]     # (per-turn credi
 def _batch(cfg, recs, step: int = 0):
     """The step's training batch as the step loop builds it from the records (`processor.step_batch`: dedup,
     group-relative advantages, the per-turn progress credit)."""
-    from gyre_core.processor.step_batch import duplicates, score_executions, training_batch
+    from gyre_core.processor.step_batch import records_batch
     from gyre_core.seeds import sampling_seed
 
-    adv, mult, kept = score_executions(((r.execution_id, r.task_id, r.status, r.reward) for r in recs),
-                                       duplicates(recs), cfg.rl)
-    trained = [r for r in recs if r.execution_id in adv and kept[r.execution_id] == r.execution_id]
-    return training_batch(trained, {r.execution_id: adv[r.execution_id] for r in trained},
-                          {r.execution_id: r.reward for r in trained}, mult, cfg, sampling_seed(cfg.run.seed, step))
+    return records_batch(recs, cfg, sampling_seed(cfg.run.seed, step))[0]
 
 
 def _signal(cfg, recs) -> bool:
