@@ -265,7 +265,7 @@ class RealDevice:
         reduce_s = time.monotonic() - t0 if t > 1 else None
         stats = None
         if isinstance(work, dict):
-            tr, stats = self._update_within_kl(tr, version, work)
+            stats = self._update_within_kl(tr, version, work)
         else:
             finish_step(tr, work)
         publish_weights(tr.state_dict(), version_uri(self.weights_root, version + 1))
@@ -273,7 +273,7 @@ class RealDevice:
         self.engine.version = self.version = self.published = version + 1
         return reduce_s, stats
 
-    def _update_within_kl(self, tr, version: int, work: dict):
+    def _update_within_kl(self, tr, version: int, work: dict) -> dict:
         """The update under the KL guard: the step's checkpoint (weights and optimizer state) saved first,
         and loaded back into the same trainer for a redo at a lower rate (`stream.finish_step_within_kl`)."""
         import tempfile
@@ -290,4 +290,4 @@ class RealDevice:
                 temperature=kw["temperature"], clip_low=kw["clip_low"], clip_high=kw["clip_high"])
         finally:
             shutil.rmtree(ckpt, ignore_errors=True)
-        return tr, stats
+        return stats
