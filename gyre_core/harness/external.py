@@ -99,12 +99,6 @@ def run_external(cfg, chat, stop_texts: dict[int, str], engine, temperature: flo
         return [f.result() for f in list(agents.map(one, specs))]
 
 
-def run_one(cfg, proxy, base_url: str, command: list[str], spec, env) -> ExecutionRecord:
-    """One execution of the external harness (see the module's text), scored; its workspace and process group
-    are gone when it returns, however it ends."""
-    return score_agent(cfg, *run_agent(cfg, proxy, base_url, command, spec, env), env)
-
-
 def run_agent(cfg, proxy, base_url: str, command: list[str], spec, env) -> tuple[ExecutionRecord, Path]:
     """The agent's part of an execution: its record and the workspace it left, for `score_agent` (which
     removes it). Its process group is gone when this returns."""

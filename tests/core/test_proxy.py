@@ -317,7 +317,7 @@ def test_an_external_program_gets_its_endpoint_not_gyres_secrets_and_its_group_i
     from pathlib import Path
 
     from gyre_core.config import load_config
-    from gyre_core.harness.external import run_one
+    from gyre_core.harness.external import run_agent, score_agent
     from gyre_core.harness.loop import ExecutionSpec
 
     monkeypatch.setenv("GYRE_TEST_SECRET", "s3cret")
@@ -329,8 +329,9 @@ def test_an_external_program_gets_its_endpoint_not_gyres_secrets_and_its_group_i
     cfg = load_config("proxy-smoke", ["harness.pass_env=[GYRE_TEST_PASSED]"])
     cfg.harness.command = ["python", "-c", program]
     with serving(tok, [ScriptedEngine(tok, ["a"])]) as (proxy, server):
-        rec = run_one(cfg, proxy, server.base_url, ["python", "-c", program],
-                      ExecutionSpec("r", 0, "r/e0", "t0", 3, "train"), EnvProbe())
+        env = EnvProbe()
+        rec = score_agent(cfg, *run_agent(cfg, proxy, server.base_url, ["python", "-c", program],
+                                          ExecutionSpec("r", 0, "r/e0", "t0", 3, "train"), env), env)
     seen = EnvProbe.seen
     assert rec.status == "done" and rec.calls == []
     assert seen["OPENAI_BASE_URL"] == server.base_url and seen["OPENAI_API_KEY"].startswith("gyre-")
