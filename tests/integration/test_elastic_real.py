@@ -18,11 +18,13 @@ from gyre_core.run import RunDir
 from gyre_core.trainer.publish import load_weights
 
 STEPS = 3          # burst 2 cannot start before version 1 exists (max_staleness 1)
-# Per-turn progress credit gives every burst a learning signal: a group whose executions all earned the same
-# reward has zero advantages, but its turns that moved towards the goal are still credited. Without it the
-# smoke workload had no signal in step 0 about one run in five (from the smoke warm start 28 of 60 groups of 4
-# failed with equal partial scores), and the reference update had nothing to compare.
-CREDIT = ["rl.progress_credit=1.0", "processor.mode=flat"]     # (per-turn credit is for flat sequences)
+# A workload where every burst carries a learning signal, so each step's update has something to compare: the
+# corridor (every `forward` the warm-started policy takes moves the episode on) with per-turn progress credit
+# (a group whose executions all earned the same reward has zero advantages, but its turns that moved towards
+# the goal are still credited). On the smoke grid world, where a turn can leave the closeness unchanged, step 0
+# had no signal at all in one CI run even with the credit (and in one run in five without it).
+CREDIT = ["env.target=gyre_core.envs.scripted:ScriptedEnv", "env.kwargs={length: 6}",
+          "rl.progress_credit=1.0", "processor.mode=flat"]     # (per-turn credit is for flat sequences)
 
 
 def _batch(cfg, recs, step: int = 0):
@@ -190,8 +192,7 @@ def test_a_satellite_lost_holding_its_gradient_falls_back_to_arrays(tmp_path, mo
         f"run.out_root={tmp_path}/runs", f"lake.root={tmp_path}/lake", f"tracking.uri=sqlite:///{tmp_path}/m.db",
         "elastic.enabled=true", "elastic.mode=real", "elastic.cells=2", "elastic.policy=colocated",
         "elastic.micro_step_executions=1", "elastic.capacity=8", "rl.steps=2", "rl.lr=3e-3", *CREDIT,
-        # 4 tasks × 4: with 2 × 4 step 0 still had no signal at all about one run in twelve
-        "rollout.tasks_per_step=4", "eval.episodes=8", "eval.greedy_episodes=0", "eval.random_baseline=false"])
+        "eval.episodes=8", "eval.greedy_episodes=0", "eval.random_baseline=false"])
     run_dir = phases.prepare(cfg)
     phases.warm_start(run_dir)
     summary = phases.elastic_rl(run_dir)

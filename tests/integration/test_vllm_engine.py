@@ -214,6 +214,10 @@ def test_vllm_cell_aborts_continues_and_reloads_mid_call(policy, tmp_path):
     b = VLLMCellDevice(1, str(path), root, train, seed=0, engine=engine)
     for cell in (a, b):                 # calls that run long: no stop token ends them early
         cell.stops, cell.vllm.stop_ids, cell.vllm.ignore_eos = set(), [], True
+    # version 1 is written before any stream opens: a cell takes it only once told (`set_version`), and a
+    # publish under a running stream could outlast the stream's remaining tokens on a slow machine
+    v1 = {k: t.clone() for k, t in tiny(tok, 7).state_dict().items()}
+    publish_weights(v1, version_uri(root, 1))
     try:
         [p] = rand_prompts(1, 10, len(tok), seed=6)
         g = LiveCall(1, CallRequest("k", p, 400, 1.0))
@@ -227,8 +231,6 @@ def test_vllm_cell_aborts_continues_and_reloads_mid_call(policy, tmp_path):
         while len(moved.ids) < 5:
             assert b.advance([moved], time.monotonic()) == []
         # a new version while `moved` streams on b: b lets go, reloads, checks, continues
-        v1 = {k: t.clone() for k, t in tiny(tok, 7).state_dict().items()}
-        publish_weights(v1, version_uri(root, 1))
         b.set_version(1)
         before = len(moved.ids)
         deadline = time.time() + 120
