@@ -150,6 +150,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--train-json", default="{}", help="real: trainer settings (lr, clip, ...) as JSON")
     ap.add_argument("--engine-json", default="", help="real: a vLLM server's settings (engine.kind=vllm) as JSON; "
                                                        "empty: the in-process engine")
+    ap.add_argument("--decode-slowdown", type=float, default=0.0,
+                    help="emulated: each other live call adds this fraction to a token's time")
+    ap.add_argument("--weight-sync-s", type=float, default=0.0,
+                    help="emulated: seconds a rolling-out cell pauses to load each published version")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--start-version", type=int, default=0, help="real: start from this published version")
     ap.add_argument("--grad-store", help="real: HOST:PORT of the store the cells' gradient groups are built on")
@@ -185,7 +189,7 @@ def main(argv: list[str] | None = None) -> int:
                                 args.start_version, groups)
         device.cell_is_core = args.cell == 0
     else:
-        device = EmulatedDevice()
+        device = EmulatedDevice(args.decode_slowdown, args.weight_sync_s)
     conn = Client((host, int(port)), authkey=key)
     try:
         Agent(args.cell, conn, device).serve()

@@ -24,6 +24,7 @@ class LiveCall:
     logprobs: list[float] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
     next_t: float = 0.0          # emulated: when its next token is due
+    paused: int = 0              # emulated: the cell's weight loads this call has already waited through
 
 
 def emulated_token(position: int) -> int:
@@ -33,30 +34,47 @@ def emulated_token(position: int) -> int:
 
 
 class EmulatedDevice:
-    """Device work replaced by waits: a token every `token_s` for each live call, concurrently
-    (batched decoding does not slow one call down for another), a micro-step or an optimizer step
-    for the seconds the coordinator computed from the calibrated workload."""
+    """Device work replaced by waits: the live calls decode as one batch, a token every
+    `token_s`·(1 + β·(other live calls)) for each (β = `decode_slowdown`: a fuller batch is slower per token,
+    as measured on real cells); a micro-step or an optimizer step for the seconds the coordinator computed
+    from the calibrated workload. A version published while the cell rolls out pauses its calls for
+    `weight_sync_s` (loading the weights)."""
 
     label = "emulated"
 
-    def __init__(self) -> None:
+    def __init__(self, decode_slowdown: float = 0.0, weight_sync_s: float = 0.0) -> None:
         self.version = 0
+        self.beta, self.sync_s = decode_slowdown, weight_sync_s
+        self.role = "rollout"
+        self.live = 0                        # calls decoding here at the last advance
+        self.loads = 0                       # weight loads so far
+        self.pause = (0.0, 0.0)              # the newest load's [start, end)
+
+    def _token_s(self, g: LiveCall, live: int) -> float:
+        return g.req.token_s * (1.0 + self.beta * max(live - 1, 0))
 
     def start(self, g: LiveCall, now: float) -> None:
-        g.next_t = now + g.req.token_s
+        g.paused = self.loads
+        g.next_t = max(now, self.pause[1]) + self._token_s(g, self.live + 1)
 
     def due(self, gens: list[LiveCall]) -> float | None:
         return min((g.next_t for g in gens), default=None)
 
     def advance(self, gens: list[LiveCall], now: float) -> list[LiveCall]:
         """Emit every token that is due; return the calls that are complete."""
+        self.live = len(gens)
+        t0, t1 = self.pause
         finished = []
         for g in gens:
+            if g.paused < self.loads:        # a token in progress when the load began waits it out
+                g.paused = self.loads
+                if g.next_t > t0:
+                    g.next_t += t1 - t0
             while g.next_t <= now and len(g.ids) < g.req.max_new_tokens:
                 g.ids.append(emulated_token(len(g.req.prompt_ids) + len(g.ids)))
                 g.logprobs.append(0.0)
                 g.versions.append(self.version)
-                g.next_t += g.req.token_s
+                g.next_t += self._token_s(g, self.live)
             if len(g.ids) >= g.req.max_new_tokens:
                 finished.append(g)
         return finished
@@ -69,6 +87,7 @@ class EmulatedDevice:
 
     def switch(self, role: str, seconds: float) -> None:
         time.sleep(max(seconds, 0.0))
+        self.role = role
 
     def micro(self, seconds: float):
         time.sleep(max(seconds, 0.0))
@@ -92,6 +111,10 @@ class EmulatedDevice:
         pass
 
     def set_version(self, version: int) -> None:
+        if version > self.version and self.role == "rollout" and self.sync_s > 0:
+            now = time.monotonic()
+            self.loads += 1
+            self.pause = (now, now + self.sync_s)
         self.version = version
 
 

@@ -82,8 +82,9 @@ class _Exec:
     ready_at: float         # when that call may start: the end of the environment turn before it
     done: int = 0           # calls completed
     cell: int = -1          # bound cell, −1 when queued or unbound
-    bound_at: float = 0.0
-    gen: int = 0            # bumped on every bind/unbind: a stale finish event is ignored
+    bound_at: float = 0.0   # since when it runs at its cell's current speed (after any pause there)
+    gen: int = 0            # bumped on every bind/unbind/re-timing: a stale finish event is ignored
+    f: float = 1.0          # its cell's slowdown since bound_at: a call takes call_s · f
 
 
 @dataclass(slots=True)
@@ -94,6 +95,8 @@ class _Cell:
     to_role: str = ""       # while switching
     busy: bool = False      # computing a micro-step or the optimizer step
     bound: dict[int, None] = field(default_factory=dict)   # executions here, in bind order
+    factor: float = 1.0     # decode slowdown at its current load (`_Sim.slowdown`)
+    paused_until: float = 0.0   # loading a published version: no call runs before this
     span_t0: float = 0.0
     busy_t0: float = 0.0
     switch_t0: float = 0.0
@@ -176,7 +179,6 @@ class _Sim:
                  max_staleness: int, micro: int) -> None:
         _check_args(w, k, capacity, policy, async_train_cells, max_staleness, micro)
         self.w, self.k, self.cap, self.micro = w, k, capacity, micro
-        self.period = w.call_s + w.env_s
         self.policy_name = policy
         self.policy = make_policy(policy, async_train_cells)
         self.split = async_train_cells if policy in ("async", "adaptive") else None
@@ -195,7 +197,7 @@ class _Sim:
         self.train_spans: list[BusySpan] = []
         self.marks: list[SwitchMark] = []
         self.switch_s: list[float] = []
-        self.segments: list[tuple[int, float, float, float, int, float]] = []
+        self.segments: list[tuple[int, float, float, float, int, float, float, float]] = []
         self.moved = self.resumed = 0
         self.step_ends: list[float] = []
         self.load: list[tuple[float, int]] = []
@@ -273,7 +275,9 @@ class _Sim:
         if self.version < len(self.bursts):
             b = self.bursts[self.version]
             train += sum(b.pending) + sum(w.train_s(n) for n in b.buffer) + w.optimizer_s + w.publish_s
-        return Estimates.of(list(done.values()), self.calls_dist, self.period, train)
+        bound = [self.execs[i].f for i in self.unfinished if self.execs[i].cell >= 0]
+        period = w.call_s * (sum(bound) / len(bound) if bound else 1.0) + w.env_s     # at today's loads
+        return Estimates.of(list(done.values()), self.calls_dist, period, train)
 
     def _buffer(self) -> tuple[int, int, int, int]:
         """(version, the trainable burst's finished executions not yet claimed, its executions not yet
@@ -289,10 +293,11 @@ class _Sim:
         if ex.cell < 0:
             return ex.done
         s0 = max(ex.bound_at, ex.ready_at)
-        first_end = s0 + ex.call_rem
+        first_end = s0 + ex.call_rem * ex.f
         if self.now < first_end:
             return ex.done
-        return min(ex.n, ex.done + 1 + (int((self.now - first_end) // self.period) if self.period > 0 else 0))
+        p = self.w.call_s * ex.f + self.w.env_s
+        return min(ex.n, ex.done + 1 + (int((self.now - first_end) // p) if p > 0 else 0))
 
     def _start_switch(self, c: _Cell) -> None:
         w = self.w
@@ -319,19 +324,59 @@ class _Sim:
         if not self.queue:
             return
         free = [c for c in self.cells if c.role == ROLLOUT and len(c.bound) < self.cap]
+        touched = set()
         while self.queue and free:
             c = min(free, key=lambda c: (len(c.bound), c.index))
             self._bind(self.queue.popleft(), c)
+            touched.add(c.index)
             if len(c.bound) >= self.cap:
                 free.remove(c)
+        for j in touched:
+            self._retime(self.cells[j])
 
     def _bind(self, i: int, c: _Cell) -> None:
         ex = self.execs[i]
-        ex.cell, ex.bound_at, ex.gen = c.index, self.now, ex.gen + 1
+        ex.cell, ex.bound_at = c.index, max(self.now, c.paused_until)
         c.bound[i] = None
-        start = max(self.now, ex.ready_at)
-        end = start + ex.call_rem + self.w.env_s + (ex.n - ex.done - 1) * self.period
+        self._schedule(i)
+
+    def _schedule(self, i: int) -> None:
+        """(Re)plan `i`'s finish on its cell at the cell's current speed; an earlier plan goes stale."""
+        w, ex = self.w, self.execs[i]
+        ex.f, ex.gen = self.cells[ex.cell].factor, ex.gen + 1
+        if ex.done >= ex.n:              # in its last environment turn
+            end = ex.ready_at
+        else:
+            start = max(ex.bound_at, ex.ready_at)
+            end = start + ex.call_rem * ex.f + w.env_s + (ex.n - ex.done - 1) * (w.call_s * ex.f + w.env_s)
         self._push(end, _FINISH, i, ex.gen)
+
+    def _retime(self, c: _Cell, pause_s: float = 0.0) -> None:
+        """The cell's load changed (or it pauses `pause_s` to load weights): bring its executions' progress
+        up to now at the old speed, then plan the rest at the new one."""
+        new = self.slowdown(len(c.bound))
+        if new == c.factor and pause_s <= 0:
+            return
+        if pause_s > 0:
+            c.paused_until = self.now + pause_s
+        for i in c.bound:
+            ex = self.execs[i]
+            self._advance(ex, self.now)
+            ex.bound_at = max(self.now, c.paused_until)
+        c.factor = new
+        for i in c.bound:
+            self._schedule(i)
+
+    def slowdown(self, bound: int) -> float:
+        """How much longer a call takes on a cell holding `bound` executions than alone: per token,
+        1 + β·(other calls in flight) (β = `decode_slowdown`), with the others in flight for their share of
+        a turn, call_s·f / (call_s·f + env_s) — solved for f."""
+        beta, a, e = self.w.decode_slowdown, self.w.call_s, self.w.env_s
+        if beta <= 0 or bound <= 1 or a <= 0:
+            return 1.0
+        k = beta * (bound - 1)
+        b = e - a - k * a                # a·f² + (e − a − k·a)·f − e = 0
+        return (-b + math.sqrt(b * b + 4 * a * e)) / (2 * a)
 
     def _leave_rollout(self, c: _Cell) -> None:
         front = []
@@ -350,26 +395,27 @@ class _Sim:
 
     def _advance(self, ex: _Exec, t: float) -> bool:
         """Bring `ex`'s progress on its cell up to time t and record its calls there; True when a call
-        was in flight at t."""
-        w, p = self.w, self.period
+        was in flight at t. `call_rem` counts seconds at slowdown 1 (a call's share still to decode)."""
+        w, f = self.w, ex.f
+        call, p = w.call_s * f, w.call_s * f + w.env_s
         s0 = max(ex.bound_at, ex.ready_at)
-        if t <= s0:
+        if t <= s0 or ex.done >= ex.n:
             return False
-        first_end = s0 + ex.call_rem
+        first_end = s0 + ex.call_rem * f
         if t < first_end:
-            self.segments.append((ex.cell, s0, t - s0, 0.0, 0, t))
-            ex.call_rem, ex.ready_at = first_end - t, t
+            self.segments.append((ex.cell, s0, t - s0, 0.0, 0, t, call, p))
+            ex.call_rem, ex.ready_at = (first_end - t) / f, t
             return True
         left = ex.n - ex.done
         j = min(int((t - first_end) // p), left - 1) if p > 0 else left - 1
         ex.done += 1 + j
         turn = first_end + j * p            # the environment turn after the last completed call
         in_call = ex.done < ex.n and t > turn + w.env_s
-        self.segments.append((ex.cell, s0, ex.call_rem, first_end + w.env_s, j + in_call, t))
+        self.segments.append((ex.cell, s0, ex.call_rem * f, first_end + w.env_s, j + in_call, t, call, p))
         if ex.done >= ex.n or not in_call:
             ex.call_rem, ex.ready_at = (0.0 if ex.done >= ex.n else w.call_s), turn + w.env_s
         else:
-            ex.call_rem, ex.ready_at = max(0.0, w.call_s - (t - turn - w.env_s)), t
+            ex.call_rem, ex.ready_at = max(0.0, w.call_s - (t - turn - w.env_s) / f), t
         return in_call
 
     def _on_finish(self, i: int, gen: int) -> None:
@@ -377,11 +423,14 @@ class _Sim:
         if gen != ex.gen:
             return
         if ex.cell >= 0:
-            s0 = max(ex.bound_at, ex.ready_at)
-            self.segments.append((ex.cell, s0, ex.call_rem, s0 + ex.call_rem + self.w.env_s,
-                                  ex.n - ex.done - 1, self.now))
-            del self.cells[ex.cell].bound[i]
+            w, c = self.w, self.cells[ex.cell]
+            if ex.done < ex.n:
+                s0, call = max(ex.bound_at, ex.ready_at), w.call_s * ex.f
+                self.segments.append((ex.cell, s0, ex.call_rem * ex.f, s0 + ex.call_rem * ex.f + w.env_s,
+                                      ex.n - ex.done - 1, self.now, call, call + w.env_s))
+            del c.bound[i]
             ex.cell = -1
+            self._retime(c)
         ex.done = ex.n
         self.unfinished.discard(i)
         self.finished += 1
@@ -430,12 +479,16 @@ class _Sim:
         c.busy = self.updating = False
         self.version += 1
         self.step_ends.append(self.now)
+        if self.w.weight_sync_s > 0:       # every rollout cell loads the new version, its calls paused
+            for r in self.cells:
+                if r.role == ROLLOUT:
+                    self._retime(r, self.w.weight_sync_s)
 
     # -- rule 6: the result ----------------------------------------------------------------------------
     def _result(self, wall: float) -> SimResult:
         for c in self.cells:
             self._set_role(c, c.role)       # close the open spans at the last publish
-        busy_spans = _rollout_busy(self.segments, self.k, self.w.call_s, self.period) + self.train_spans
+        busy_spans = _rollout_busy(self.segments, self.k) + self.train_spans
         fr = busy_fractions(self.role_spans, busy_spans, self.k, wall) if wall > 0 else _zero_busy()
         to_train = sum(1 for m in self.marks if m[3] == TRAIN)
         return SimResult(
@@ -458,18 +511,19 @@ def _zero_busy() -> dict:
     return out
 
 
-def _rollout_busy(segments, k: int, call_s: float, period: float) -> list[BusySpan]:
+def _rollout_busy(segments, k: int) -> list[BusySpan]:
     """Each cell's calls-in-flight time as merged spans, from the recorded segments: a segment
-    (cell, s0, first_len, a1, n_more, t_end) is the call [s0, s0 + first_len) then n_more calls starting
-    at a1, a1 + period, ..., each call_s long, all cut at t_end."""
+    (cell, s0, first_len, a1, n_more, t_end, call, period) is the call [s0, s0 + first_len) then n_more
+    calls starting at a1, a1 + period, ..., each `call` long, all cut at t_end."""
     if not segments:
         return []
-    cell, s0, first, a1, n_more, t_end = (np.asarray(x) for x in zip(*segments))
+    cell, s0, first, a1, n_more, t_end, call, period = (np.asarray(x) for x in zip(*segments))
     n_more = n_more.astype(np.int64)
     idx = np.repeat(np.arange(len(n_more)), n_more)
     offset = np.arange(idx.size) - np.repeat(np.cumsum(n_more) - n_more, n_more)
-    starts = np.concatenate([s0, a1[idx] + offset * period])
-    ends = np.concatenate([np.minimum(s0 + first, t_end), np.minimum(a1[idx] + offset * period + call_s, t_end[idx])])
+    more = a1[idx] + offset * period[idx]
+    starts = np.concatenate([s0, more])
+    ends = np.concatenate([np.minimum(s0 + first, t_end), np.minimum(more + call[idx], t_end[idx])])
     cells = np.concatenate([cell, cell[idx]]).astype(np.int64)
     keep = ends > starts
     starts, ends, cells = starts[keep], ends[keep], cells[keep]
@@ -500,8 +554,8 @@ def _check_args(w: Workload, k: int, capacity: int, policy: str, split: int, sta
         raise ValueError(f"sim: max_staleness must be ≥ 0, got {staleness}")
     if policy in ("async", "adaptive") and not 1 <= split <= k - 1:
         raise ValueError(f"sim: {policy} needs 1 ≤ async_train_cells ≤ k − 1 = {k - 1}, got {split}")
-    if min(w.call_s, w.env_s, w.train_s_per_call, w.optimizer_s, w.publish_s,
-           w.switch_to_train_s, w.switch_to_rollout_s) < 0:
+    if min(w.call_s, w.env_s, w.train_s_per_call, w.optimizer_s, w.publish_s, w.switch_to_train_s,
+           w.switch_to_rollout_s, w.weight_sync_s, w.decode_slowdown) < 0:
         raise ValueError("sim: workload durations must be ≥ 0")
 
 

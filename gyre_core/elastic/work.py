@@ -72,7 +72,8 @@ class EmulatedWork:
         self.logs: list[ExecutionLog] = []
 
     def cell_args(self) -> list[str]:
-        return ["--mode", "emulated"]
+        return ["--mode", "emulated", "--decode-slowdown", repr(self.w.decode_slowdown),
+                "--weight-sync-s", repr(self.w.weight_sync_s)]
 
     def start_burst(self, s: int, router, report: Report) -> list[Callable[[], None]]:
         jobs = []

@@ -4,7 +4,10 @@
     w.calls(step=0)          # model calls of each execution of burst 0 (deterministic per seed, step)
 
 An execution alternates a model call (`call_s` of device time on a rollout cell) and an environment
-turn (`env_s`: tool or sandbox latency, no device). How many calls it makes is lognormal (median
+turn (`env_s`: tool or sandbox latency, no device). A cell decodes its calls as one batch, and a
+bigger batch is slower per token: each other call in flight on the cell adds `decode_slowdown` (β, measured
+on real cells by `bench/decode_load.py`) to a token's time. Each published version pauses the rollout cells
+for `weight_sync_s` while they load it (a separate rollout engine receiving the trainer's weights). How many calls it makes is lognormal (median
 `calls_median`, shape `calls_sigma`) and capped at `max_calls` — the timeout: an execution that
 reaches the cap is cut off there, as a real harness's wall-clock limit cuts it. Training one
 execution costs `train_s_per_call` per call on one cell (its tokens grow with its calls); a step
@@ -36,6 +39,8 @@ class Workload:
     publish_s: float = 0.05
     switch_to_train_s: float = 0.05
     switch_to_rollout_s: float = 0.05
+    decode_slowdown: float = 0.0       # β: a call's tokens take 1 + β·(other calls in flight on its cell) longer
+    weight_sync_s: float = 0.0         # a rollout cell's pause to load each published version
     seed: int = 0
     trace: tuple[int, ...] = field(default=())   # measured calls per execution, resampled when given
 
@@ -78,6 +83,6 @@ class Workload:
         """The same workload with every duration multiplied by `factor` (emulation at a faster clock)."""
         d = self.to_dict()
         for k in ("call_s", "env_s", "train_s_per_call", "optimizer_s", "publish_s",
-                  "switch_to_train_s", "switch_to_rollout_s"):
+                  "switch_to_train_s", "switch_to_rollout_s", "weight_sync_s"):
             d[k] *= factor
         return Workload.from_dict(d)

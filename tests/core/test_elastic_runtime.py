@@ -378,3 +378,28 @@ def test_an_agent_answers_each_message_with_its_record():
     assert not agent._handle(m.Stop())
     with pytest.raises(ValueError, match="unknown message"):
         agent._handle(("gen", 4, None))         # the old tuples are not messages any more
+
+
+def test_the_emulated_device_slows_a_fuller_batch_and_pauses_to_load_weights(monkeypatch):
+    """Token times by hand: β = 0.5 and 0.1 s a token; the clock is set by the test."""
+    from gyre_core.elastic import devices
+    from gyre_core.elastic.devices import EmulatedDevice, LiveCall
+
+    d = EmulatedDevice(decode_slowdown=0.5, weight_sync_s=1.0)
+    a, b = (LiveCall(i, CallRequest(f"k{i}", [0], 6, token_s=0.1)) for i in (1, 2))
+    d.start(a, 0.0)
+    d.start(b, 0.0)
+    assert (a.next_t, b.next_t) == (0.1, 0.1)            # the first token's time before the cell knew its load
+    d.advance([a, b], 0.1)                                # two live: each next token takes 0.1 · 1.5
+    assert len(a.ids) == len(b.ids) == 1 and a.next_t == pytest.approx(0.25)
+    d.advance([a], 0.25)                                  # b went elsewhere: a alone, 0.1 s a token
+    assert len(a.ids) == 2 and a.next_t == pytest.approx(0.35)
+    monkeypatch.setattr(devices.time, "monotonic", lambda: 0.3)
+    d.set_version(1)                                      # published at 0.3 while rolling out: load 0.3–1.3
+    assert d.advance([a], 0.5) == [] and a.next_t == pytest.approx(1.35)   # the token in progress waits 1 s
+    c = LiveCall(3, CallRequest("k3", [0], 1, token_s=0.1))
+    d.start(c, 0.6)                                       # a call started during the load begins after it
+    assert c.next_t == pytest.approx(1.3 + 0.1 * 1.5)
+    d.switch("train", 0.0)
+    d.set_version(2)                                      # a training cell does not pause
+    assert d.pause == (0.3, 1.3) and d.version == 2

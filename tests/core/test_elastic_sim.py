@@ -5,6 +5,7 @@ the comments walk through the events.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import struct
 from dataclasses import dataclass
@@ -143,22 +144,25 @@ def test_progress_of_a_bound_execution():
     ex.cell, ex.bound_at = 1, 1.3                            # moved; the turn's clock ran on meanwhile
     assert sim._advance(ex, 2.1) is True                     # call 2 started at 1.5, 0.6 s in
     assert ex.done == 1 and ex.call_rem == pytest.approx(0.4) and ex.ready_at == 2.1
-    assert sim.segments[-1] == pytest.approx((1, 1.5, 0.6, 0.0, 0, 2.1))   # device time on cell 1: 1.5–2.1
+    assert sim.segments[-1] == pytest.approx((1, 1.5, 0.6, 0.0, 0, 2.1, 1.0, 1.5))   # on cell 1: 1.5–2.1
 
 
-def _device_time(segments, call_s: float, period: float) -> float:
-    """Total call time in the recorded segments, interval by interval (not merged)."""
+def _device_work(segments, call_s: float) -> float:
+    """Total call work in the recorded segments at slowdown 1, interval by interval (not merged): a
+    segment's call time divided by its slowdown (its call length / call_s)."""
     total = 0.0
-    for _, s0, first, a1, n_more, t_end in segments:
-        total += max(0.0, min(s0 + first, t_end) - s0)
-        total += sum(max(0.0, min(a1 + i * period + call_s, t_end) - (a1 + i * period)) for i in range(n_more))
+    for _, s0, first, a1, n_more, t_end, call, period in segments:
+        f = call / call_s
+        total += max(0.0, min(s0 + first, t_end) - s0) / f
+        total += sum(max(0.0, min(a1 + i * period + call, t_end) - (a1 + i * period)) for i in range(n_more)) / f
     return total
 
 
 @pytest.mark.parametrize("policy", ["colocated", "async", "elastic", "cost-aware", "adaptive"])
 def test_moves_neither_lose_nor_repeat_device_time(policy):
-    """Across random small fleets and bursts, every call gets exactly call_s of device time in all, however
-    often its execution moved, and every execution finishes once."""
+    """Across random small fleets and bursts, every call gets exactly call_s of device work in all (at its
+    cells' slowdowns, through weight-loading pauses), however often its execution moved or its cell's load
+    changed, and every execution finishes once."""
     import random
 
     rng = random.Random(7)
@@ -168,14 +172,42 @@ def test_moves_neither_lose_nor_repeat_device_time(policy):
         bursts = [b[:len(bursts[0])] + [1] * (len(bursts[0]) - len(b)) for b in bursts]
         w = scripted(bursts, call_s=rng.choice([0.3, 1.0]), env_s=rng.choice([0.0, 0.25, 0.7]),
                      train_s_per_call=0.13, optimizer_s=0.21, publish_s=0.05, switch_to_train_s=0.17,
-                     switch_to_rollout_s=0.11)
+                     switch_to_rollout_s=0.11, decode_slowdown=rng.choice([0.0, 0.0, 0.3]),
+                     weight_sync_s=rng.choice([0.0, 0.4]))
         sim = _Sim(w, k, cap, policy, rng.randint(1, k - 1), rng.randint(0, 2), rng.randint(1, 3))
         r = sim.run()
         calls = sum(map(sum, bursts))
-        assert _device_time(sim.segments, w.call_s, w.call_s + w.env_s) == pytest.approx(calls * w.call_s), trial
+        assert _device_work(sim.segments, w.call_s) == pytest.approx(calls * w.call_s), trial
         assert sim.finished == sim.dispatched == sum(map(len, bursts))
         assert all(ex.done == ex.n for ex in sim.execs)
         check_invariants(r)
+
+
+def test_a_fuller_cell_decodes_slower_by_hand():
+    # one cell of 2 slots, no environment latency, β = 0.5: two calls in flight take 1 + 0.5 = 1.5× as long
+    w = scripted([[1, 2]], call_s=1.0, env_s=0.0, train_s_per_call=0.0, optimizer_s=0.0, publish_s=0.0,
+                 switch_to_train_s=0.0, switch_to_rollout_s=0.0, decode_slowdown=0.5)
+    r = simulate(w, k=2, capacity=2, policy="async", async_train_cells=1, max_staleness=0)
+    # both calls 0–1.5; e0 finishes at 1.5; e1's second call runs alone at full speed: 1.5–2.5
+    assert [t for t, _ in r.load[1:]] == pytest.approx([1.5, 2.5])
+    # with environment turns the others are in flight for their share of a turn: call_s = env_s = 1, β = 1
+    # and 2 executions give f = 1 + f / (f + 1), f² − f − 1 = 0: the golden ratio
+    sim = _Sim(dataclasses.replace(w, env_s=1.0, decode_slowdown=1.0), 2, 2, "elastic", 1, 1, 1)
+    assert sim.slowdown(2) == pytest.approx((1 + 5 ** 0.5) / 2) and sim.slowdown(1) == 1.0
+
+
+def test_a_publish_pauses_the_rollout_cells_to_load_weights_by_hand():
+    # async, cell 0 trains, cell 1 rolls out both bursts (S = 1); call 1 s, no environment latency, training
+    # 0.5 s a call, optimizer 0.5 s, loading a version 2 s
+    w = scripted([[1], [3]], call_s=1.0, env_s=0.0, train_s_per_call=0.5, optimizer_s=0.5, publish_s=0.0,
+                 switch_to_train_s=0.0, switch_to_rollout_s=0.0, weight_sync_s=2.0)
+    r = simulate(w, k=2, capacity=2, policy="async", async_train_cells=1, max_staleness=1, micro_step_executions=1)
+    # e0 (burst 0) 0–1; trained 1–1.5, update 1.5–2 → v1 at 2. e1 (burst 1) made calls 0–1 and 1–2; cell 1
+    # loads v1 2–4, so e1's third call runs 4–5; trained 5–6.5, update 6.5–7 → v2 at 7 (3 s later than
+    # without the load)
+    assert r.step_ends == pytest.approx([2.0, 7.0])
+    assert simulate(dataclasses.replace(w, weight_sync_s=0.0), k=2, capacity=2, policy="async",
+                    async_train_cells=1, max_staleness=1, micro_step_executions=1).step_ends == pytest.approx([2.0, 5.0])
 
 
 def test_staleness_gates_dispatch():
