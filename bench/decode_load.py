@@ -90,8 +90,8 @@ def vllm_engine(model_dir: str, dtype: str = "float32") -> dict | str:
         server = VLLMServer(ServerSpec(model_dir=model_dir, dtype=dtype, max_model_len=1024, threads=1)).start()
     except VLLMError as e:
         return f"skipped: {e}"
-    engine = VLLMEngine(server, [], seed=0, concurrency=max(LOADS), owns_server=True)
-    engine.ignore_eos = True
+    engine = VLLMEngine(server, [0], seed=0, concurrency=max(LOADS), owns_server=True)
+    engine.stop_ids, engine.ignore_eos = [], True       # every call runs to its max_new_tokens
     try:
         return measure(engine.generate, vocab)
     finally:

@@ -26,7 +26,8 @@ paper-122b (a ~122B MoE policy):
 - training: ≈3K new context tokens per turn (generated + tool output) at ≈8K tokens/s per cell for
   long-context MoE training → 0.375 s per call (**assumed**).
 - optimizer step 10 s (sharded AdamW on the core), publish 30 s (≈244 GB of bf16 weights to the
-  satellites' engines) (**assumed**). Switch costs 8.52 s rollout→train, 3.46 s train→rollout (**paper**).
+  satellites' engines) (**assumed**); each rolling-out cell pauses as long to load it (`weight_sync_s`,
+  **assumed**). Switch costs 8.52 s rollout→train, 3.46 s train→rollout (**paper**).
 - the paper reports elastic at 1.36–1.47× colocated and 1.42–1.53× async for this model (**paper**).
 
 paper-2.4t (a 2.4T MoE policy, ~700K-token rollouts):
@@ -38,8 +39,16 @@ paper-2.4t (a 2.4T MoE policy, ~700K-token rollouts):
   (**assumed**).
 - training: ~700K-token rollouts (**paper**) over ≈164 turns ≈ 4.3K tokens per call, at ≈10K tokens/s per
   64-GPU cell (≈100B active parameters, **assumed**) → 0.43 s per call.
-- optimizer step 30 s, publish 120 s (terabytes of weights) (**assumed**); switch costs as above (**paper**).
+- optimizer step 30 s, publish 120 s (terabytes of weights), a rolling-out cell's load of it as long
+  (**assumed**); switch costs as above (**paper**).
 - the paper reports elastic at 1.21× colocated and 1.78× async for this model (**paper**).
+
+Both paper profiles: a cell's decoding slows as its batch fills, `decode_slowdown` β = 0.05 per other call
+in flight (**assumed**, between what `bench/decode_load.py` measured for SmolLM2 on vLLM-CPU, 0.067, and
+the flatter curve of a bandwidth-bound GPU engine; long contexts push it up, as every sequence's K/V is
+read each step). The call times above are a FULL cell's (the batch the paper's engines ran); `call_s` is
+the time alone, solved so that a full cell's call takes them (`_alone`), so a call in a thinned-out tail
+runs faster — as in a real engine.
 """
 from __future__ import annotations
 
@@ -50,6 +59,7 @@ from .workload import Workload
 
 PAPER_SWITCH_TO_TRAIN_S = 8.52
 PAPER_SWITCH_TO_ROLLOUT_S = 3.46
+PAPER_DECODE_SLOWDOWN = 0.05
 _FLEET_KEYS = ("k", "capacity", "devices_per_cell", "micro_step_executions", "max_staleness")
 
 
@@ -91,8 +101,9 @@ def _paper_122b() -> Profile:
     w = Workload(name="paper-122b", executions_per_step=8 * 16, steps=8, calls_median=164, calls_sigma=0.335,
                  max_calls=round(4 * 3600 / turn_s), call_s=30.0, env_s=10.0, train_s_per_call=3000 / 8000,
                  optimizer_s=10.0, publish_s=30.0, switch_to_train_s=PAPER_SWITCH_TO_TRAIN_S,
-                 switch_to_rollout_s=PAPER_SWITCH_TO_ROLLOUT_S)
-    return Profile("paper-122b", k=8, capacity=16, devices_per_cell=8, workload=w,
+                 switch_to_rollout_s=PAPER_SWITCH_TO_ROLLOUT_S, decode_slowdown=PAPER_DECODE_SLOWDOWN,
+                 weight_sync_s=30.0)
+    return Profile("paper-122b", k=8, capacity=16, devices_per_cell=8, workload=_alone(w, 30.0, 16),
                    paper={"speedup_vs_colocated": [1.36, 1.47], "speedup_vs_async": [1.42, 1.53]})
 
 
@@ -101,9 +112,20 @@ def _paper_2_4t() -> Profile:
     w = Workload(name="paper-2.4t", executions_per_step=4 * 32, steps=8, calls_median=159, calls_sigma=0.335,
                  max_calls=round(4 * 3600 / turn_s), call_s=45.0, env_s=15.0, train_s_per_call=4300 / 10000,
                  optimizer_s=30.0, publish_s=120.0, switch_to_train_s=PAPER_SWITCH_TO_TRAIN_S,
-                 switch_to_rollout_s=PAPER_SWITCH_TO_ROLLOUT_S)
-    return Profile("paper-2.4t", k=4, capacity=32, devices_per_cell=64, workload=w,
+                 switch_to_rollout_s=PAPER_SWITCH_TO_ROLLOUT_S, decode_slowdown=PAPER_DECODE_SLOWDOWN,
+                 weight_sync_s=120.0)
+    return Profile("paper-2.4t", k=4, capacity=32, devices_per_cell=64, workload=_alone(w, 45.0, 32),
                    paper={"speedup_vs_colocated": [1.21, 1.21], "speedup_vs_async": [1.78, 1.78]})
+
+
+def _alone(w: Workload, full_call_s: float, capacity: int) -> Workload:
+    """`w` with `call_s` set so that a call on a full cell (`capacity` bound) takes `full_call_s`."""
+    from .sim import slowdown
+
+    out = dataclasses.replace(w, call_s=full_call_s)
+    for _ in range(50):               # a fixed point: the slowdown depends on call_s (the others' share)
+        out = dataclasses.replace(out, call_s=full_call_s / slowdown(out, capacity))
+    return out
 
 
 PROFILES = {"laptop": _laptop, "paper-122b": _paper_122b, "paper-2.4t": _paper_2_4t}

@@ -23,9 +23,11 @@ benchmark compares the two step times. The rules, exactly as modelled:
    (S = max_staleness; 0 for colocated). v starts at 0 and counts optimizer steps.
 3. Executions. A rollout cell hosts up to `capacity` executions; an execution stays bound to its cell
    while it runs, its slot held through its environment turns. Queued executions (FIFO) take a free slot
-   on the least-loaded rollout cell (ties: lowest index). An execution makes n calls, each `call_s` of
-   device time (concurrent calls on a cell do not slow each other: batched decoding) followed by an
-   environment turn of `env_s`; after the last turn it finishes (f += 1) and frees its slot. When a cell
+   on the least-loaded rollout cell (ties: lowest index). An execution makes n calls, each `call_s` · f of
+   device time followed by an environment turn of `env_s`; after the last turn it finishes (f += 1) and
+   frees its slot. f is its cell's decode slowdown at the cell's load (`_Sim.slowdown`: with b executions
+   bound, each other one in a call for its share of a turn adds β = `decode_slowdown` to a token's time),
+   re-evaluated whenever an execution binds to or leaves the cell; work done so far is kept. When a cell
    leaves rollout, its executions go back to the FRONT of the queue in their order, keeping their
    progress: a call in flight resumes on the next cell with only its remaining device time (the runtime
    keeps the partial tokens); one in an environment turn keeps that turn's clock running (the
@@ -39,21 +41,26 @@ benchmark compares the two step times. The rules, exactly as modelled:
    An idle training cell (lowest index first) claims a micro-step of burst s only when v == s; it takes
    sum(workload.train_s(calls)) there. When all of burst s's micro-steps are done the core, once it is in
    train and idle, runs the optimizer step and publish (`optimizer_s + publish_s`); then v = s + 1.
+5b. Weights. When a version is published, every cell in rollout pauses for `weight_sync_s` (loading it):
+   calls in flight stop and resume after, and no call starts there meanwhile. A cell switching to rollout
+   pays its load inside `switch_to_rollout_s`.
 6. Accounting. Busy: a rollout cell with ≥ 1 call in flight, or a train cell computing a micro-step or an
    optimizer step. wall runs from 0 to the last publish; step_s = wall / steps; busy fractions are busy
    cell-seconds / (K × wall) (`timeline.busy_fractions`).
 7. Dead cells are out of scope: K stays fixed.
 
 Not modelled (each would make elastic look less good than here): re-prefilling a moved execution's
-context on its new cell (a move is free), satellites pausing to load published weights, decoding
-slowing down as a cell's batch grows, and variance in call and turn lengths — every call takes exactly
-`call_s`, so executions that start together stay in step and a cell idles while all of them are in
-their turns (the runtime's thread jitter spreads them, so it measures a somewhat higher rollout busy
-fraction for the same step time).
+context on its new cell (a move is free), a call's cost growing with its context (`bench/decode_load.py`
+measures it; the mean context is in `call_s`), the batch's exact composition (the slowdown counts the
+others in flight by their average share of a turn), and variance in call and turn lengths — every call
+at a given load takes the same time, so executions that start together stay in step and a cell idles
+while all of them are in their turns (the runtime's thread jitter spreads them, so it measures a
+somewhat higher rollout busy fraction for the same step time).
 
-How: between two of its events an execution bound to a cell needs no event at all — its progress at any
-time follows from when its calls started — so each execution costs one event (its finish) plus one per
-move, and its calls' busy intervals are rebuilt with numpy at the end. Paper-scale runs take well under a
+How: between two events of its cell an execution bound to it needs no event at all — its progress at any
+time follows from when its calls started and the cell's speed — so each execution costs one event (its
+finish), re-planned when it moves or its cell's load changes, and its calls' busy intervals are rebuilt
+with numpy at the end. Paper-scale runs take well under a
 second per policy.
 """
 from __future__ import annotations
@@ -217,6 +224,8 @@ class _Sim:
                 raise RuntimeError(f"sim: stalled at t={self.now:.3f}s (version {self.version}, dispatched "
                                    f"{self.dispatched}, finished {self.finished}): no event left")
             t, _, kind, a, b = heapq.heappop(self.heap)
+            if kind == _FINISH and b != self.execs[a].gen:
+                continue                  # re-planned since: nothing happens now
             self.now = t
             handlers[kind](a, b)
             self._rules()
@@ -368,15 +377,7 @@ class _Sim:
             self._schedule(i)
 
     def slowdown(self, bound: int) -> float:
-        """How much longer a call takes on a cell holding `bound` executions than alone: per token,
-        1 + β·(other calls in flight) (β = `decode_slowdown`), with the others in flight for their share of
-        a turn, call_s·f / (call_s·f + env_s) — solved for f."""
-        beta, a, e = self.w.decode_slowdown, self.w.call_s, self.w.env_s
-        if beta <= 0 or bound <= 1 or a <= 0:
-            return 1.0
-        k = beta * (bound - 1)
-        b = e - a - k * a                # a·f² + (e − a − k·a)·f − e = 0
-        return (-b + math.sqrt(b * b + 4 * a * e)) / (2 * a)
+        return slowdown(self.w, bound)
 
     def _leave_rollout(self, c: _Cell) -> None:
         front = []
@@ -502,6 +503,18 @@ class _Sim:
             busy_spans=busy_spans, switch_marks=self.marks)
 
 
+def slowdown(w: Workload, bound: int) -> float:
+    """How much longer a call takes on a cell holding `bound` executions than alone: per token,
+    1 + β·(other calls in flight) (β = `decode_slowdown`), with each of the others in flight for its share of
+    a turn, call_s·f / (call_s·f + env_s) — solved for f."""
+    beta, a, e = w.decode_slowdown, w.call_s, w.env_s
+    if beta <= 0 or bound <= 1 or a <= 0:
+        return 1.0
+    k = beta * (bound - 1)
+    b = e - a - k * a                    # a·f² + (e − a − k·a)·f − e = 0
+    return (-b + math.sqrt(b * b + 4 * a * e)) / (2 * a)
+
+
 def _zero_busy() -> dict:
     roles = ("rollout", "train", "switching", "dead")
     out = {"overall": 0.0, "rollout": 0.0, "train": 0.0}
@@ -562,13 +575,15 @@ def _check_args(w: Workload, k: int, capacity: int, policy: str, split: int, sta
 def step_s_floor(workload: Workload, k: int, capacity: int, max_staleness: int) -> float:
     """A floor under any role policy's step time on this fleet: the larger of two bounds.
 
-    - Work: each execution holds a rollout slot for its calls and environment turns, n·(call_s + env_s),
-      and a rollout cell has `capacity` slots, so a burst needs ≥ Σ n·(call_s + env_s) / capacity rollout
-      cell-seconds, plus Σ train_s(n) training cell-seconds and the update (optimizer step and publish);
+    - Work: each execution holds a rollout slot for its calls and environment turns, n·(call_s·f + env_s),
+      and a rollout cell has `capacity` slots, so a burst needs ≥ Σ n·(call_s·f + env_s) / capacity rollout
+      cell-seconds (f: the decode slowdown of a full cell — a fuller cell is slower per call but still does
+      more calls a second), plus Σ train_s(n) training cell-seconds and the update (optimizer step and publish);
       K cells give K cell-seconds a second.
     - Critical path: burst s + S + 1 (S = `max_staleness`) is dispatched only once version s + 1 exists,
       i.e. after burst s's longest execution ran its n_max·(call_s + env_s), the micro-step holding it
-      trained (≥ train_s(n_max)) and the update ran. Chains s, s + S + 1, s + 2(S + 1), ... add up.
+      trained (≥ train_s(n_max)) and the update ran (its calls at full speed, alone on a cell). Chains s,
+      s + S + 1, s + 2(S + 1), ... add up.
     Switches, partly filled cells and queueing only add. (An execution moved off a cell mid-turn holds no
     slot until its next call, so a policy that moves executions could in principle shave some of the env
     part of the work bound; the waterlevel moves one only where another cell has a free slot for it.)"""
@@ -576,9 +591,10 @@ def step_s_floor(workload: Workload, k: int, capacity: int, max_staleness: int) 
     steps = max(w.steps, 1)
     update = w.optimizer_s + w.publish_s
     work, path = 0.0, []
+    full = w.call_s * slowdown(w, capacity) + w.env_s
     for s in range(w.steps):
         calls = w.calls(s)
-        work += sum(n * (w.call_s + w.env_s) for n in calls) / capacity + sum(w.train_s(n) for n in calls) + update
+        work += sum(n * full for n in calls) / capacity + sum(w.train_s(n) for n in calls) + update
         n_max = max(calls)
         path.append(n_max * (w.call_s + w.env_s) + w.train_s(n_max) + update)
     chain = max(sum(path[s0::max_staleness + 1]) for s0 in range(min(max_staleness + 1, len(path)))) if path else 0.0
