@@ -61,23 +61,23 @@ def fit(step_s: dict[int, float]) -> dict:
             "beta": beta, "beta_max_rel_err": err}
 
 
-def measure(generate, vocab: int) -> dict:
+def measure(generate, vocab: int, loads=LOADS) -> dict:
     generate([GenRequest("warm", _prompts(vocab, 1, 8, 0)[0], 4, 1.0)])
-    out = fit({n: _step_s(generate, vocab, n, SHORT) for n in LOADS})
+    out = fit({n: _step_s(generate, vocab, n, SHORT) for n in loads})
     long = _step_s(generate, vocab, 1, LONG)
     out["context_slowdown_per_1k"] = (long / out["step_s"]["1"] - 1) / ((LONG - SHORT) / 1000)
     return out
 
 
-def local_engine(model_dir: str) -> dict:
+def local_engine(model_dir: str, loads=LOADS) -> dict:
     from gyre_core.engine.local import LocalEngine
     from gyre_core.model import load_policy
 
     torch.set_num_threads(1)
     model, tok = load_policy(model_dir)
     vocab = model.config.vocab_size
-    engine = LocalEngine(model, [vocab + 7], seed=0, max_batch=max(LOADS))    # a stop id never sampled
-    return measure(engine.generate, vocab)
+    engine = LocalEngine(model, [vocab + 7], seed=0, max_batch=max(loads))    # a stop id never sampled
+    return measure(engine.generate, vocab, loads)
 
 
 def vllm_engine(model_dir: str, dtype: str = "float32") -> dict | str:

@@ -86,6 +86,7 @@ def run_real(policy: str, root: str, steps: int, eval_episodes: int) -> dict:
     records = [r for s in range(steps) for r in phases.run_objects.read_records(run, step_part(s))]
     times = [[(c.t_start, c.t_end) for c in r.calls] for r in records if r.status != "failed"]
     return {"summary": summary, "wall_s": wall, "records_calls": [r.turns for r in records],
+            "policy_dir": str(run.warm), "call_spans": [[(c.t_start, c.t_end) for c in r.calls] for r in records],
             "turn_times": turn_times(times),
             "trained_calls": sum(r.turns for r in records if r.status != "failed"),
             "executions_per_step": cfg.rollout.tasks_per_step * cfg.rollout.group_size,
@@ -102,14 +103,36 @@ def turn_times(executions: list[list[tuple[float, float]]]) -> tuple[float, floa
     return statistics.mean(calls), statistics.mean(gaps)
 
 
-def calibrate(real: dict, switch: dict) -> Workload:
+def others_in_flight(executions: list[list[tuple[float, float]]], cells: int) -> float:
+    """The mean number of OTHER calls in flight on a call's cell while it runs: the time-average concurrency
+    of all calls over each call's span, less itself, spread evenly over `cells` rolling-out cells."""
+    import numpy as np
+
+    spans = np.array([c for ts in executions for c in ts], dtype=float).reshape(-1, 2)
+    spans = spans[spans[:, 1] > spans[:, 0]]
+    if not len(spans):
+        return 0.0
+    t = np.concatenate([spans[:, 0], spans[:, 1]])
+    step = np.concatenate([np.ones(len(spans)), -np.ones(len(spans))])
+    order = np.argsort(t, kind="stable")
+    t, level = t[order], np.cumsum(step[order])            # calls in flight from t[i] to t[i + 1]
+    area = np.concatenate([[0.0], np.cumsum(level[:-1] * np.diff(t))])
+    inside = np.interp(spans[:, 1], t, area) - np.interp(spans[:, 0], t, area)
+    return float(np.mean(inside / (spans[:, 1] - spans[:, 0]) - 1.0)) / cells
+
+
+def calibrate(real: dict, switch: dict, beta: float) -> Workload:
     """The emulated device's costs, from a real run: a call's latency and an environment turn as the
-    executions lived them (`turn_times`), seconds per trained call, per update, per switch."""
+    executions lived them (`turn_times`), the call's latency alone on its cell (the lived one divided by
+    1 + β·the other calls in flight beside it, β = `decode_slowdown` measured on the cell's model), seconds
+    per trained call, per update, per switch."""
     s = real["summary"]
     calls = real["trained_calls"]
     call_s, env_s = real["turn_times"]
+    alone = call_s / (1 + beta * others_in_flight(real["call_spans"], 2))
     return dataclasses.replace(
-        WORKLOAD, call_s=call_s, env_s=env_s, train_s_per_call=s["micro_s_total"] / max(calls, 1),
+        WORKLOAD, call_s=alone, env_s=env_s, decode_slowdown=beta,
+        train_s_per_call=s["micro_s_total"] / max(calls, 1),
         optimizer_s=s["optim_s_mean"], publish_s=0.0,     # the core publishes inside its update
         switch_to_train_s=switch["to_train"], switch_to_rollout_s=switch["to_rollout"])
 
@@ -153,9 +176,15 @@ def bench_elastic(quick: bool = False, out_dir: str = "data/bench/elastic") -> d
                | {"eval_success_before": r["eval_success_before"], "eval_success": r["eval_success"]}
                for p, r in real.items()},
             **_speedups(real_step)}
+        # how the real cells' decoding slows as their batch fills (`bench/decode_load.py`, the cells' model
+        # on the in-process engine, one thread): the emulated device and the simulator slow down as much
+        from bench.decode_load import local_engine
+
+        out["decode_load"] = local_engine(real["colocated"]["policy_dir"], loads=(1, 2, 4, 8))
+        beta = out["decode_load"]["beta"]
         # the simulator on the real fleet: the real runs' calls per execution as a trace
         trace = tuple(c for r in real.values() for c in r["records_calls"])
-        base = calibrate(real["colocated"], switch)
+        base = calibrate(real["colocated"], switch, beta)
         real_w = dataclasses.replace(base, trace=trace, executions_per_step=real["colocated"]["executions_per_step"],
                                      steps=steps,
                                      max_calls=max(trace))
@@ -166,7 +195,8 @@ def bench_elastic(quick: bool = False, out_dir: str = "data/bench/elastic") -> d
         # 2. emulated K = 8, calibrated from the real cells
         w = dataclasses.replace(base, steps=2 if quick else WORKLOAD.steps)
         out["calibrated"] = {k: getattr(w, k) for k in ("call_s", "env_s", "train_s_per_call", "optimizer_s",
-                                                        "switch_to_train_s", "switch_to_rollout_s")}
+                                                        "switch_to_train_s", "switch_to_rollout_s",
+                                                        "decode_slowdown")}
         ecfg = lambda policy, split=1: ElasticConfig(   # noqa: E731
             policy=policy, cells=K_EMULATED, mode="emulated", capacity=CAPACITY_EMULATED,
             async_train_cells=split, micro_step_executions=MICRO_EMULATED, max_staleness=1)
@@ -178,9 +208,12 @@ def bench_elastic(quick: bool = False, out_dir: str = "data/bench/elastic") -> d
         for p, r in emu.items():
             r.plot(os.path.join(out_dir, f"emulated-{p}.png"))
         emu_step = {p: r.step_s for p, r in emu.items()}
-        # the simulator predicts the emulated fleet from what its colocated run measured per call and per
-        # turn (messaging and thread scheduling on this machine's two cores lengthen both a little)
-        e_call, e_env = turn_times([log.times for log in emu["colocated"].executions])
+        # the simulator predicts the emulated fleet from what its colocated run measured per call (alone on
+        # its cell, as in `calibrate`) and per turn (messaging and thread scheduling on this machine's two
+        # cores lengthen both a little)
+        e_times = [log.times for log in emu["colocated"].executions]
+        e_call, e_env = turn_times(e_times)
+        e_call /= 1 + beta * others_in_flight(e_times, K_EMULATED)
         w_sim = dataclasses.replace(w, call_s=e_call, env_s=e_env)
         sim = {p: simulate(w_sim, K_EMULATED, CAPACITY_EMULATED, p, best if p == "async" else 1, 1, MICRO_EMULATED)
                for p in POLICIES}

@@ -153,13 +153,28 @@ class Waterlevel:
         return max(0, c.k - need)
 
 
+@dataclass(slots=True)
 class CostAware:
-    name = "cost-aware"
+    """The critical-path rule above, never with fewer than `reserve` cells training. The reserve is planned
+    from the run's own measurements (`sim.plan_reserve`: the simulator, fed the measured workload, runs this
+    policy at each reserve 0..K−1 and keeps the fastest): where training needs several cells to keep up,
+    lending them to every new burst costs more than it gains, and the best static split's training cells
+    are the floor to lend above."""
+
+    reserve: int = 0
+    static: bool = False     # planned: hold exactly `reserve` cells training (a static split is fastest)
+    name: str = "cost-aware"
 
     def train_cells(self, c: Counters) -> int:
         e = c.estimates
+        if self.static and self.reserve > 0:
+            return Async(self.reserve).train_cells(c)
         if e is None or c.capacity <= 0:
             return Waterlevel().train_cells(c)
+        return max(self._critical_path(c, e), min(self.reserve, c.k - 1))
+
+    @staticmethod
+    def _critical_path(c: Counters, e: Estimates) -> int:
         remaining = sorted(e.remaining_s, reverse=True)
         tail = sorted(e.remaining_tail_s or e.remaining_s, reverse=True)
 

@@ -95,6 +95,7 @@ class ElasticResult:
     launch: str = "process"       # how the agents started (elastic.launch)
     start_s: float = 0.0          # from launching the agents until every one had connected
     cell_devices: dict = field(default_factory=dict)   # cell -> what it computes on ("emulated", "real/cuda:0")
+    plans: list = field(default_factory=list)   # cost-aware: (version, training reserve, static) as each landed
 
     def plot(self, path: str) -> str:
         """The role timeline of this run as a PNG (cells × time by role, switch ticks, w(t) below)."""
@@ -116,7 +117,8 @@ class ElasticResult:
                 "grad_channel": self.grad_channel, "relayed_bytes": self.relayed_bytes,
                 "micro_steps_by_cell": {str(k): v for k, v in sorted(self.micro_by_cell.items())},
                 "launch": self.launch, "start_s": self.start_s,
-                "cell_devices": {str(k): v for k, v in sorted(self.cell_devices.items())}}
+                "cell_devices": {str(k): v for k, v in sorted(self.cell_devices.items())},
+                "plans": [list(p) for p in self.plans]}
 
 
 class Coordinator:
@@ -158,6 +160,8 @@ class Coordinator:
         self.micro_s: list[float] = []             # device seconds of each micro-step, as the cell measured
         self._calls_dist: CallDistribution | None = None   # the cost-aware policy's, rebuilt as executions end
         self._calls_dist_at = -1
+        self._planned_for = -1                     # the version the cost-aware plan was last made at
+        self.plans: list[tuple[int, int, bool]] = []   # (version, reserve, static) as each plan landed
         self.optim_s: list[float] = []             # ... of each update (optimizer step and publish)
         self.reduce_s: list[float] = []            # ... of the core's part of each update's reduce
         self.trained_in: dict[int, set[int]] = {}  # version → cells whose micro-steps for it counted
@@ -330,9 +334,34 @@ class Coordinator:
             self._calls_dist, self._calls_dist_at = CallDistribution(ended), self.finished
         unstarted = max(0, self.dispatched - self.finished - len(live))
         per_execution = statistics.fmean(self.micro_s) / self.cfg.micro_step_executions
-        train = (self.stream.untrained(self.version) * per_execution
-                 + (statistics.fmean(self.optim_s) if self.optim_s else 0.0))
+        update = statistics.fmean(self.optim_s) if self.optim_s else 0.0
+        train = self.stream.untrained(self.version) * per_execution + update
+        if self._planned_for != self.version and self.optim_s:
+            self._plan(ended, statistics.median(period), per_execution / max(statistics.fmean(ended), 1.0), update)
         return Estimates.of(live + [0] * unstarted, self._calls_dist, statistics.median(period), train)
+
+    def _plan(self, calls: list[int], period_s: float, train_per_call_s: float, update_s: float) -> None:
+        """Re-plan the cost-aware policy's training reserve once a version (`sim.plan_reserve`), on a thread:
+        the simulator run on what this run measured — the calls per execution that ended (resampled), a
+        call with its turn, a trained call, the update, the switches — for the steps still to run."""
+        from .sim import plan_reserve
+
+        self._planned_for = version = self.version
+        steps_left = self.work.steps - version
+        if steps_left < 1:
+            return
+        to_train, to_rollout = (statistics.fmean(self.switch_s[r]) if self.switch_s[r] else 0.0 for r in (TRAIN, ROLLOUT))
+        w = Workload(name="measured", executions_per_step=self.work.burst_size(version), steps=steps_left,
+                     max_calls=max(calls), call_s=period_s, env_s=0.0, train_s_per_call=train_per_call_s,
+                     optimizer_s=update_s, publish_s=0.0, switch_to_train_s=to_train,
+                     switch_to_rollout_s=to_rollout, seed=version, trace=tuple(calls))
+        k, cap, staleness, micro = len(self.order), self.cfg.capacity, self.staleness, self.cfg.micro_step_executions
+
+        def plan() -> None:
+            reserve, static = plan_reserve(w, k, cap, staleness, micro)
+            self.policy.reserve, self.policy.static = reserve, static
+            self.plans.append((version, reserve, static))
+        threading.Thread(target=plan, name=f"gyre-plan-v{version}", daemon=True).start()
 
     def _feed(self) -> None:
         for i in self.order:
@@ -510,7 +539,7 @@ class Coordinator:
             optim_s=self.optim_s, reduce_s=self.reduce_s, grad_channel=self.channel,
             relayed_bytes=self.relayed_bytes, train_stats=self.train_stats, micro_by_cell=self.micro_by_cell,
             launch=self.connections.launcher.name, start_s=self.connections.start_s,
-            cell_devices=dict(self.connections.devices))
+            cell_devices=dict(self.connections.devices), plans=list(self.plans))
 
 
 def run_elastic(ecfg: ElasticConfig, work: Work | Workload, **kw) -> ElasticResult:

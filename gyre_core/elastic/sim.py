@@ -68,7 +68,7 @@ from __future__ import annotations
 import heapq
 import math
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -183,11 +183,14 @@ class _Sim:
     """One run: the state, the event loop, and the rules applied after each event."""
 
     def __init__(self, w: Workload, k: int, capacity: int, policy: str, async_train_cells: int,
-                 max_staleness: int, micro: int) -> None:
+                 max_staleness: int, micro: int, plan: tuple[int, bool] | None = None) -> None:
         _check_args(w, k, capacity, policy, async_train_cells, max_staleness, micro)
         self.w, self.k, self.cap, self.micro = w, k, capacity, micro
         self.policy_name = policy
         self.policy = make_policy(policy, async_train_cells)
+        if policy == "cost-aware":     # its plan: given, or made as the runtime makes it
+            self.policy.reserve, self.policy.static = (plan if plan is not None else
+                                                       plan_reserve(w, k, capacity, max_staleness, micro))
         self.split = async_train_cells if policy in ("async", "adaptive") else None
         self.staleness = 0 if policy == "colocated" else max_staleness
         self.cells = [_Cell(i) for i in range(k)]
@@ -602,6 +605,26 @@ def step_s_floor(workload: Workload, k: int, capacity: int, max_staleness: int) 
 
 
 def simulate(workload: Workload, k: int, capacity: int, policy: str, async_train_cells: int = 1,
-             max_staleness: int = 1, micro_step_executions: int = 4) -> SimResult:
-    """Run `workload` on K cells of `capacity` slots under `policy` (colocated | async | elastic)."""
-    return _Sim(workload, k, capacity, policy, async_train_cells, max_staleness, micro_step_executions).run()
+             max_staleness: int = 1, micro_step_executions: int = 4, plan: tuple[int, bool] | None = None) -> SimResult:
+    """Run `workload` on K cells of `capacity` slots under `policy` (one of `POLICIES`); `plan`: the
+    cost-aware policy's (reserve, static) (None: planned by `plan_reserve`)."""
+    return _Sim(workload, k, capacity, policy, async_train_cells, max_staleness, micro_step_executions,
+                plan).run()
+
+
+PLAN_STEPS = 16
+
+
+def plan_reserve(w: Workload, k: int, capacity: int, max_staleness: int, micro: int) -> tuple[int, bool]:
+    """The cost-aware policy's plan (reserve, static): of its critical-path rule with a training reserve
+    r in 0..K−1, and of the static splits 1..K−1, the one that runs `w` fastest (simulated for its first
+    `PLAN_STEPS` steps; ties: the dynamic rule, then the smaller r). `w` is what the run measured — in the
+    runtime, the calls per execution, a turn's and a trained call's seconds, the update and the switches."""
+    short = replace(w, steps=min(w.steps, PLAN_STEPS), seed=w.seed + 1)   # the distribution, not the draws
+    candidates = [(r, False) for r in range(k)] + [(r, True) for r in range(1, k)]
+    best_plan, best = (0, False), math.inf
+    for plan in candidates:
+        step = _Sim(short, k, capacity, "cost-aware", 1, max_staleness, micro, plan).run().step_s
+        if step < best * (1 - 1e-9):
+            best_plan, best = plan, step
+    return best_plan

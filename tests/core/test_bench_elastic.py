@@ -14,3 +14,14 @@ def test_turn_times_leave_out_first_calls_and_measure_the_gaps_between_calls():
     call_s, env_s = turn_times([a, b, c])
     assert call_s == pytest.approx((0.5 + 0.7 + 0.4) / 3)
     assert env_s == pytest.approx((1.0 + 0.5 + 0.25) / 3)
+
+
+def test_others_in_flight_is_the_time_average_concurrency_beside_each_call():
+    from bench.elastic import others_in_flight
+
+    # x 0–4 and y 2–4 overlap for 2 s: beside x, 2/4 = 0.5 others on average; beside y, 1 all along;
+    # z 10–11 alone: 0. Mean over the three calls: 0.5, spread over 2 cells: 0.25
+    x, y, z = (0.0, 4.0), (2.0, 4.0), (10.0, 11.0)
+    assert others_in_flight([[x, z], [y]], 1) == pytest.approx(0.5)
+    assert others_in_flight([[x, z], [y]], 2) == pytest.approx(0.25)
+    assert others_in_flight([], 2) == 0.0
