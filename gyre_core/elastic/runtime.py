@@ -161,6 +161,7 @@ class Coordinator:
         self._calls_dist: CallDistribution | None = None   # the cost-aware policy's, rebuilt as executions end
         self._calls_dist_at = -1
         self._planned_for = -1                     # the version the cost-aware plan was last made at
+        self._plan_procs: list = []                # its planner processes (stopped at the end if still running)
         self.plans: list[tuple[int, int, bool]] = []   # (version, reserve, static) as each plan landed
         self.optim_s: list[float] = []             # ... of each update (optimizer step and publish)
         self.reduce_s: list[float] = []            # ... of the core's part of each update's reduce
@@ -341,10 +342,13 @@ class Coordinator:
         return Estimates.of(live + [0] * unstarted, self._calls_dist, statistics.median(period), train)
 
     def _plan(self, calls: list[int], period_s: float, train_per_call_s: float, update_s: float) -> None:
-        """Re-plan the cost-aware policy's training reserve once a version (`sim.plan_reserve`), on a thread:
-        the simulator run on what this run measured — the calls per execution that ended (resampled), a
-        call with its turn, a trained call, the update, the switches — for the steps still to run."""
-        from .sim import plan_reserve
+        """Re-plan the cost-aware policy's training reserve once a version (`sim.plan_reserve`), in a process
+        of its own at low priority (`elastic.plan`: its simulations never hold this loop's interpreter lock):
+        the simulator run on what this run measured — the calls per execution that ended (resampled), a call
+        with its turn, a trained call, the update, the switches — for the steps still to run. The plan
+        applies when it lands; a plan that fails leaves the last one in place, with a note."""
+        import json
+        import subprocess
 
         self._planned_for = version = self.version
         steps_left = self.work.steps - version
@@ -355,13 +359,25 @@ class Coordinator:
                      max_calls=max(calls), call_s=period_s, env_s=0.0, train_s_per_call=train_per_call_s,
                      optimizer_s=update_s, publish_s=0.0, switch_to_train_s=to_train,
                      switch_to_rollout_s=to_rollout, seed=version, trace=tuple(calls))
-        k, cap, staleness, micro = len(self.order), self.cfg.capacity, self.staleness, self.cfg.micro_step_executions
+        ask = json.dumps({"workload": w.to_dict(), "k": len(self.order), "capacity": self.cfg.capacity,
+                          "max_staleness": self.staleness, "micro": self.cfg.micro_step_executions})
+
+        proc = subprocess.Popen([sys.executable, "-m", "gyre_core.elastic.plan"], stdin=subprocess.PIPE,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        self._plan_procs.append(proc)
 
         def plan() -> None:
-            reserve, static = plan_reserve(w, k, cap, staleness, micro)
+            out, err = proc.communicate(ask)
+            if proc.returncode != 0:
+                if proc.returncode > 0:       # (< 0: stopped at the run's end)
+                    self.notes.append(f"cost-aware plan at v{version} failed: {err.strip()[-300:]}")
+                return
+            reserve, static = json.loads(out)
             self.policy.reserve, self.policy.static = reserve, static
             self.plans.append((version, reserve, static))
-        threading.Thread(target=plan, name=f"gyre-plan-v{version}", daemon=True).start()
+        th = threading.Thread(target=plan, name=f"gyre-plan-v{version}", daemon=True)
+        th.start()
+        self.threads.append(th)
 
     def _feed(self) -> None:
         for i in self.order:
@@ -518,6 +534,9 @@ class Coordinator:
 
     def _shutdown(self) -> None:
         self.router.abort("the elastic run ended")   # executions still waiting on a call get an error
+        for proc in self._plan_procs:
+            if proc.poll() is None:
+                proc.kill()
         for c in self.cells.values():
             if c.role != "dead":
                 self._set_role(c, c.role)   # close the open span

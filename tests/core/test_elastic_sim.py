@@ -461,3 +461,19 @@ def test_the_verl_style_switch_lends_its_training_cells_while_the_buffer_is_shor
     assert p.train_cells(c(1, 7, 10)) == 2                  # 7 ≥ 6.25
     assert p.train_cells(c(2, 9, 10)) == 2 and p.threshold == pytest.approx(0.5625)  # not starved: lowered; 9 ≥ 5.6
     assert AdaptiveSwitch(3).train_cells(Counters(5, 4, 20, 10)) == 3                # no buffer counts: async
+
+
+def test_the_planner_process_answers_what_plan_reserve_does_in_process():
+    """`python -m gyre_core.elastic.plan` (what the runtime starts once a version) returns the same plan."""
+    import subprocess
+    import sys
+
+    from gyre_core.elastic.sim import plan_reserve
+
+    w = workload_from_trace([1, 2, 3, 4, 5, 6], steps=3, executions_per_step=4, call_s=0.3, env_s=0.2,
+                            train_s_per_call=0.4, optimizer_s=0.2, publish_s=0.0, switch_to_train_s=0.05,
+                            switch_to_rollout_s=0.05)
+    ask = json.dumps({"workload": w.to_dict(), "k": 3, "capacity": 2, "max_staleness": 1, "micro": 1})
+    p = subprocess.run([sys.executable, "-m", "gyre_core.elastic.plan"], input=ask, capture_output=True, text=True,
+                       check=True)
+    assert tuple(json.loads(p.stdout)) == plan_reserve(w, 3, 2, 1, 1)
