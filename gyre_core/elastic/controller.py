@@ -16,7 +16,9 @@ With dispatched d and finished f, the unfinished executions are w = d − f:
                leaves free before the rollout ends (K · R − the executions' slot-seconds ÷ capacity, R the
                longest-first makespan of the tail estimates), it is the waterlevel; when it does not —
                training is the critical path, as when a new burst would send every cell back to rollout —
-               it takes the t ≥ the waterlevel's that minimises max(R(t), training ÷ t).
+               it takes the t ≥ the waterlevel's that minimises max(R(t), training ÷ t); never fewer than
+               its planned reserve, or exactly a static split when the plan says one is fastest
+               (`sim.plan_reserve`, made on the run's measurements).
 - `adaptive`:  a baseline after verl's rollout switch: `async`'s split, its training cells lent to rollout
                at a step boundary while the buffer of trainable executions is short (`AdaptiveSwitch`).
 """

@@ -141,7 +141,9 @@ class RealDevice:
         self.groups = groups
         model, tok = load_policy(policy_dir, dtype=getattr(torch, self.train_kw.get("dtype", "float32")),
                                  device=self.train_kw.get("device", "cpu"))
-        self.label = f"real/{next(model.parameters()).device}"    # sent in the hello (result.cell_devices)
+        # sent in the hello (result.cell_devices); a cell of several GPUs trains on its first one and says so
+        gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        self.label = f"real/{next(model.parameters()).device}" + (f" (trains on 1 of {gpus} GPUs)" if gpus > 1 else "")
         self.pad_id = tok.pad_token_id or 0
         self.vocab_size = len(tok)
         self.engine = LocalEngine(model, stop_token_ids(model, tok), version=0, seed=cell_stream(seed, cell))

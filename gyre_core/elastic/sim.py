@@ -14,8 +14,8 @@ benchmark compares the two step times. The rules, exactly as modelled:
 1. Cells. K cells, core (0) first, then satellites; the training cells are always cells[0:t], with t from
    `controller.decide(policy, Counters(k, capacity, d, f, estimates), t_before, now)` (the estimates only for
    `cost-aware`: calls so far of each unfinished execution, the histogram of calls per execution over the
-   run's bursts, the trainable burst's queued and expected training), where t_before counts the cells
-   currently meant to train. It is re-evaluated after every event (dispatch, execution finished,
+   run's bursts, the trainable burst's queued and expected training; and its plan, `plan_reserve` on the
+   workload's distribution with other draws), where t_before counts the cells currently meant to train. It is re-evaluated after every event (dispatch, execution finished,
    micro-step done, optimizer step done, switch done); every Decision that changes t is kept. All cells
    start in rollout, so a policy that trains from t = 0 pays one rollout→train switch first.
 2. Bursts. Burst s (0..steps−1) is `executions_per_step` executions with `workload.calls(s)` calls. It is

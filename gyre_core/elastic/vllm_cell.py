@@ -79,6 +79,11 @@ class VLLMCellDevice(RealDevice):
         self.vllm = VLLMEngine(VLLMServer(spec).start(), self.engine.stop_ids, seed=cell_stream(seed, cell),
                                concurrency=kw.get("concurrency", 64), owns_server=True)
         self.label = f"vllm/{self.label.split('/', 1)[1]}"
+        if spec.tensor_parallel_size > 1:
+            from ..engine.vllm import cuda_host
+
+            self.label += (f", serves tensor-parallel on {spec.tensor_parallel_size} GPUs" if cuda_host()
+                           else f", serves on {spec.tensor_parallel_size} CPU threads (vLLM-CPU: no tensor parallel)")
         self.served = -1                  # the version the server holds (its start-up weights: the policy dir)
         self.streams: dict[int, _Stream] = {}
         self._opened = 0

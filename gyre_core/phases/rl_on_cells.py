@@ -190,8 +190,10 @@ class HarnessWork:
         args = ["--mode", "real", "--policy", str(self.run.warm), "--weights", self.run.weights_root,
                 "--start-version", str(self.first_step),
                 "--train-json", json.dumps(train), "--seed", str(cfg.run.seed), "--threads", str(self.threads)]
-        if cfg.engine.kind == "vllm":       # rollout on a vLLM server per cell, on the cell's devices
-            args += ["--engine-json", json.dumps({**cfg.engine.model_dump(), "concurrency": cfg.elastic.capacity})]
+        if cfg.engine.kind == "vllm":       # rollout on a vLLM server per cell, on all the cell's devices
+            n = cfg.elastic.devices_per_cell   # (GPUs: tensor-parallel over them; CPU: that many cores)
+            args += ["--engine-json", json.dumps({**cfg.engine.model_dump(), "concurrency": cfg.elastic.capacity,
+                                                  "tensor_parallel_size": n, "threads": n})]
         return args
 
     def take_records(self, step: int) -> list:
