@@ -1,13 +1,14 @@
-"""The paper profiles with and without the costs the simulator now models for the baselines: a cell's decoding
+"""The paper profiles with and without the costs the simulator models for the baselines: a cell's decoding
 slowing as its batch fills (`decode_slowdown`) and rolling-out cells pausing to load each version
 (`weight_sync_s`). How much of the paper's speedups do they explain?
 
-    .venv/bin/python bench/experiments/sim_paper_costs.py       # a table; ~15 s
+    .venv/bin/python bench/experiments/sim_paper_costs.py       # a table; ~8 s
 
 Each row keeps a full cell's call time at the profile's (the paper's engines ran full batches), so the
 slowdown only makes thinned-out cells faster, as in a real engine. `async` is at its best split of the
-sweep, at half the cells (an even split), and at its worst (what a split chosen without a sweep can cost). "explained" is the share of the
-paper's speedup over async (in log terms) that the row's cost-aware speedup over async's best split reaches.
+sweep, at half the cells (an even split), and at its worst (what a split chosen without a sweep can
+cost). "explained" is the share of the paper's speedup over async (in log terms) that the row's
+cost-aware speedup over async's best split reaches.
 """
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from gyre_core.elastic.comparison import compare  # noqa: E402
-from gyre_core.elastic.profiles import _alone, get_profile  # noqa: E402
+from gyre_core.elastic.profiles import full_cell_call, get_profile  # noqa: E402
 from gyre_core.elastic.sim import slowdown  # noqa: E402
 
 
@@ -30,7 +31,7 @@ def variants(name: str) -> dict[str, tuple]:
     full = w.call_s * slowdown(w, p.capacity)
     rows = {"neither": (0.0, 0.0), "decode slowdown": (w.decode_slowdown, 0.0),
             "weight sync": (0.0, w.weight_sync_s), "both (the profile)": (w.decode_slowdown, w.weight_sync_s)}
-    return {label: (_alone(dataclasses.replace(w, decode_slowdown=b, weight_sync_s=s), full, p.capacity), p)
+    return {label: (full_cell_call(dataclasses.replace(w, decode_slowdown=b, weight_sync_s=s), full, p.capacity), p)
             for label, (b, s) in rows.items()}
 
 

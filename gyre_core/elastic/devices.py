@@ -143,7 +143,9 @@ class RealDevice:
                                  device=self.train_kw.get("device", "cpu"))
         # sent in the hello (result.cell_devices); a cell of several GPUs trains on its first one and says so
         gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-        self.label = f"real/{next(model.parameters()).device}" + (f" (trains on 1 of {gpus} GPUs)" if gpus > 1 else "")
+        self.label = f"real/{next(model.parameters()).device}"
+        if gpus > 1:
+            self.label += f" (trains on 1 of {gpus} GPUs)"
         self.pad_id = tok.pad_token_id or 0
         self.vocab_size = len(tok)
         self.engine = LocalEngine(model, stop_token_ids(model, tok), version=0, seed=cell_stream(seed, cell))

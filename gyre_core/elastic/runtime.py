@@ -354,7 +354,8 @@ class Coordinator:
         steps_left = self.work.steps - version
         if steps_left < 1:
             return
-        to_train, to_rollout = (statistics.fmean(self.switch_s[r]) if self.switch_s[r] else 0.0 for r in (TRAIN, ROLLOUT))
+        to_train, to_rollout = (statistics.fmean(self.switch_s[r]) if self.switch_s[r] else 0.0
+                                for r in (TRAIN, ROLLOUT))
         w = Workload(name="measured", executions_per_step=self.work.burst_size(version), steps=steps_left,
                      max_calls=max(calls), call_s=period_s, env_s=0.0, train_s_per_call=train_per_call_s,
                      optimizer_s=update_s, publish_s=0.0, switch_to_train_s=to_train,

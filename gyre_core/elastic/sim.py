@@ -15,9 +15,10 @@ benchmark compares the two step times. The rules, exactly as modelled:
    `controller.decide(policy, Counters(k, capacity, d, f, estimates), t_before, now)` (the estimates only for
    `cost-aware`: calls so far of each unfinished execution, the histogram of calls per execution over the
    run's bursts, the trainable burst's queued and expected training; and its plan, `plan_reserve` on the
-   workload's distribution with other draws), where t_before counts the cells currently meant to train. It is re-evaluated after every event (dispatch, execution finished,
-   micro-step done, optimizer step done, switch done); every Decision that changes t is kept. All cells
-   start in rollout, so a policy that trains from t = 0 pays one rollout→train switch first.
+   workload's distribution with other draws), where t_before counts the cells currently meant to train.
+   It is re-evaluated after every event (dispatch, execution finished, micro-step done, optimizer step
+   done, switch done); every Decision that changes t is kept. All cells start in rollout, so a policy
+   that trains from t = 0 pays one rollout→train switch first.
 2. Bursts. Burst s (0..steps−1) is `executions_per_step` executions with `workload.calls(s)` calls. It is
    dispatched all at once (d += N) once burst s−1 is dispatched and the published version v ≥ s − S
    (S = max_staleness; 0 for colocated). v starts at 0 and counts optimizer steps.
@@ -25,7 +26,7 @@ benchmark compares the two step times. The rules, exactly as modelled:
    while it runs, its slot held through its environment turns. Queued executions (FIFO) take a free slot
    on the least-loaded rollout cell (ties: lowest index). An execution makes n calls, each `call_s` · f of
    device time followed by an environment turn of `env_s`; after the last turn it finishes (f += 1) and
-   frees its slot. f is its cell's decode slowdown at the cell's load (`_Sim.slowdown`: with b executions
+   frees its slot. f is its cell's decode slowdown at the cell's load (`slowdown`: with b executions
    bound, each other one in a call for its share of a turn adds β = `decode_slowdown` to a token's time),
    re-evaluated whenever an execution binds to or leaves the cell; work done so far is kept. When a cell
    leaves rollout, its executions go back to the FRONT of the queue in their order, keeping their
@@ -60,8 +61,8 @@ somewhat higher rollout busy fraction for the same step time).
 How: between two events of its cell an execution bound to it needs no event at all — its progress at any
 time follows from when its calls started and the cell's speed — so each execution costs one event (its
 finish), re-planned when it moves or its cell's load changes, and its calls' busy intervals are rebuilt
-with numpy at the end. Paper-scale runs take well under a
-second per policy.
+with numpy at the end. Paper-scale runs take well under a second per policy (cost-aware's plan adds
+2K − 1 shorter runs).
 """
 from __future__ import annotations
 
@@ -102,7 +103,7 @@ class _Cell:
     to_role: str = ""       # while switching
     busy: bool = False      # computing a micro-step or the optimizer step
     bound: dict[int, None] = field(default_factory=dict)   # executions here, in bind order
-    factor: float = 1.0     # decode slowdown at its current load (`_Sim.slowdown`)
+    factor: float = 1.0     # decode slowdown at its current load (`slowdown`)
     paused_until: float = 0.0   # loading a published version: no call runs before this
     span_t0: float = 0.0
     busy_t0: float = 0.0
@@ -605,7 +606,8 @@ def step_s_floor(workload: Workload, k: int, capacity: int, max_staleness: int) 
 
 
 def simulate(workload: Workload, k: int, capacity: int, policy: str, async_train_cells: int = 1,
-             max_staleness: int = 1, micro_step_executions: int = 4, plan: tuple[int, bool] | None = None) -> SimResult:
+             max_staleness: int = 1, micro_step_executions: int = 4,
+             plan: tuple[int, bool] | None = None) -> SimResult:
     """Run `workload` on K cells of `capacity` slots under `policy` (one of `POLICIES`); `plan`: the
     cost-aware policy's (reserve, static) (None: planned by `plan_reserve`)."""
     return _Sim(workload, k, capacity, policy, async_train_cells, max_staleness, micro_step_executions,

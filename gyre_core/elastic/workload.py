@@ -3,12 +3,12 @@
     w = Workload.from_dict({"executions_per_step": 32, "calls_median": 12, ...})
     w.calls(step=0)          # model calls of each execution of burst 0 (deterministic per seed, step)
 
-An execution alternates a model call (`call_s` of device time on a rollout cell) and an environment
-turn (`env_s`: tool or sandbox latency, no device). A cell decodes its calls as one batch, and a
-bigger batch is slower per token: each other call in flight on the cell adds `decode_slowdown` (β, measured
-on real cells by `bench/decode_load.py`) to a token's time. Each published version pauses the rollout cells
-for `weight_sync_s` while they load it (a separate rollout engine receiving the trainer's weights). How many calls it makes is lognormal (median
-`calls_median`, shape `calls_sigma`) and capped at `max_calls` — the timeout: an execution that
+An execution alternates a model call (`call_s` of device time on a rollout cell, alone there) and an
+environment turn (`env_s`: tool or sandbox latency, no device). A cell decodes its calls as one batch, and
+a bigger batch is slower per token: each other call in flight on the cell adds `decode_slowdown` (β,
+measured on real cells by `bench/decode_load.py`) to a token's time. Each published version pauses the
+rollout cells for `weight_sync_s` while they load it (a separate rollout engine receiving the trainer's
+weights). How many calls an execution makes is lognormal (median `calls_median`, shape `calls_sigma`) and capped at `max_calls` — the timeout: an execution that
 reaches the cap is cut off there, as a real harness's wall-clock limit cuts it. Training one
 execution costs `train_s_per_call` per call on one cell (its tokens grow with its calls); a step
 ends with the core's optimizer step (`optimizer_s`) and a weight publish (`publish_s`). Times are
