@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import random
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -35,7 +36,7 @@ def _prompts(vocab: int, n: int, length: int, seed: int) -> list[list[int]]:
     return [[rng.randrange(4, vocab - 1) for _ in range(length)] for _ in range(n)]
 
 
-def _step_s(generate, vocab: int, n: int, length: int, repeats: int = 2) -> float:
+def _step_s(generate, vocab: int, n: int, length: int, repeats: int = 3) -> float:
     """Seconds of one decode step with `n` calls at once (median over repeats), prefill cancelled."""
     out = []
     for r in range(repeats):
@@ -46,7 +47,7 @@ def _step_s(generate, vocab: int, n: int, length: int, repeats: int = 2) -> floa
             generate([GenRequest(f"r{r}-t{tokens}-n{n}-{i}", p, tokens, 1.0) for i, p in enumerate(prompts)])
             walls.append(time.perf_counter() - t0)
         out.append((walls[1] - walls[0]) / (T2 - T1))
-    return sorted(out)[len(out) // 2]
+    return statistics.median(out)
 
 
 def fit(step_s: dict[int, float]) -> dict:

@@ -86,7 +86,7 @@ def run_real(policy: str, root: str, steps: int, eval_episodes: int) -> dict:
     records = [r for s in range(steps) for r in phases.run_objects.read_records(run, step_part(s))]
     times = [[(c.t_start, c.t_end) for c in r.calls] for r in records if r.status != "failed"]
     return {"summary": summary, "wall_s": wall, "records_calls": [r.turns for r in records],
-            "policy_dir": str(run.warm), "call_spans": [[(c.t_start, c.t_end) for c in r.calls] for r in records],
+            "policy_dir": str(run.warm), "call_spans": times,
             "turn_times": turn_times(times),
             "trained_calls": sum(r.turns for r in records if r.status != "failed"),
             "executions_per_step": cfg.rollout.tasks_per_step * cfg.rollout.group_size,
@@ -104,21 +104,27 @@ def turn_times(executions: list[list[tuple[float, float]]]) -> tuple[float, floa
 
 
 def others_in_flight(executions: list[list[tuple[float, float]]], cells: int) -> float:
-    """The mean number of OTHER calls in flight on a call's cell while it runs: the time-average concurrency
-    of all calls over each call's span, less itself, spread evenly over `cells` rolling-out cells."""
+    """The mean number of OTHER calls in flight on a call's cell while it runs: over each call's span, the
+    time-average number of calls in flight (itself included) spread evenly over `cells` rolling-out cells
+    (the router sends a call to the least-loaded one), less itself. Averaged over the calls `turn_times`
+    counts (an execution's first call left out: it includes waiting for a slot); every call adds load."""
     import numpy as np
 
-    spans = np.array([c for ts in executions for c in ts], dtype=float).reshape(-1, 2)
-    spans = spans[spans[:, 1] > spans[:, 0]]
-    if not len(spans):
+    def as_spans(calls):
+        a = np.array(calls, dtype=float).reshape(-1, 2)
+        return a[a[:, 1] > a[:, 0]]
+
+    spans = as_spans([c for ts in executions for c in ts])
+    counted = as_spans([c for ts in executions for c in ts[1:]])
+    if not len(counted):
         return 0.0
     t = np.concatenate([spans[:, 0], spans[:, 1]])
     step = np.concatenate([np.ones(len(spans)), -np.ones(len(spans))])
     order = np.argsort(t, kind="stable")
     t, level = t[order], np.cumsum(step[order])            # calls in flight from t[i] to t[i + 1]
     area = np.concatenate([[0.0], np.cumsum(level[:-1] * np.diff(t))])
-    inside = np.interp(spans[:, 1], t, area) - np.interp(spans[:, 0], t, area)
-    return float(np.mean(inside / (spans[:, 1] - spans[:, 0]) - 1.0)) / cells
+    inside = np.interp(counted[:, 1], t, area) - np.interp(counted[:, 0], t, area)
+    return float(np.mean(np.maximum(inside / (counted[:, 1] - counted[:, 0]) / cells - 1.0, 0.0)))
 
 
 def calibrate(real: dict, switch: dict, beta: float) -> Workload:

@@ -49,6 +49,7 @@ class EmulatedDevice:
         self.live = 0                        # calls decoding here at the last advance
         self.loads = 0                       # weight loads so far
         self.pause = (0.0, 0.0)              # the newest load's [start, end)
+        self.version_before = 0              # the version before it
 
     def _token_s(self, g: LiveCall, live: int) -> float:
         return g.req.token_s * (1.0 + self.beta * max(live - 1, 0))
@@ -66,18 +67,21 @@ class EmulatedDevice:
         t0, t1 = self.pause
         finished = []
         for g in gens:
-            if g.paused < self.loads:        # a token in progress when the load began waits it out
+            if g.paused < self.loads:        # a load began since this call was last advanced:
+                self._emit(g, min(now, t0), self.version_before)   # what was due before it, on the old weights,
                 g.paused = self.loads
-                if g.next_t > t0:
-                    g.next_t += t1 - t0
-            while g.next_t <= now and len(g.ids) < g.req.max_new_tokens:
-                g.ids.append(emulated_token(len(g.req.prompt_ids) + len(g.ids)))
-                g.logprobs.append(0.0)
-                g.versions.append(self.version)
-                g.next_t += self._token_s(g, self.live)
+                g.next_t += t1 - t0          # then the token in progress waits the load out
+            self._emit(g, now, self.version)
             if len(g.ids) >= g.req.max_new_tokens:
                 finished.append(g)
         return finished
+
+    def _emit(self, g: LiveCall, until: float, version: int) -> None:
+        while g.next_t <= until and len(g.ids) < g.req.max_new_tokens:
+            g.ids.append(emulated_token(len(g.req.prompt_ids) + len(g.ids)))
+            g.logprobs.append(0.0)
+            g.versions.append(version)
+            g.next_t += self._token_s(g, self.live)
 
     def finish_reason(self, g: LiveCall) -> str:
         return "length"
@@ -87,7 +91,8 @@ class EmulatedDevice:
 
     def switch(self, role: str, seconds: float) -> None:
         time.sleep(max(seconds, 0.0))
-        self.role = role
+        self.role, self.live = role, 0       # (the agent hands back every call before a switch)
+        self.pause = (0.0, 0.0)              # a switch to rollout loads the newest weights itself
 
     def micro(self, seconds: float):
         time.sleep(max(seconds, 0.0))
@@ -113,8 +118,12 @@ class EmulatedDevice:
     def set_version(self, version: int) -> None:
         if version > self.version and self.role == "rollout" and self.sync_s > 0:
             now = time.monotonic()
-            self.loads += 1
-            self.pause = (now, now + self.sync_s)
+            t0, t1 = self.pause
+            if now < t1:                     # a load still running: the next one follows it
+                self.pause = (t0, t1 + self.sync_s)
+            else:
+                self.loads += 1
+                self.pause, self.version_before = (now, now + self.sync_s), self.version
         self.version = version
 
 

@@ -162,6 +162,8 @@ class Coordinator:
         self._calls_dist_at = -1
         self._planned_for = -1                     # the version the cost-aware plan was last made at
         self._plan_procs: list = []                # its planner processes (stopped at the end if still running)
+        self._plan_lock = threading.Lock()
+        self._ended = False                        # set at shutdown: a plan landing later is not applied
         self.plans: list[tuple[int, int, bool]] = []   # (version, reserve, static) as each plan landed
         self.optim_s: list[float] = []             # ... of each update (optimizer step and publish)
         self.reduce_s: list[float] = []            # ... of the core's part of each update's reduce
@@ -363,19 +365,33 @@ class Coordinator:
         ask = json.dumps({"workload": w.to_dict(), "k": len(self.order), "capacity": self.cfg.capacity,
                           "max_staleness": self.staleness, "micro": self.cfg.micro_step_executions})
 
-        proc = subprocess.Popen([sys.executable, "-m", "gyre_core.elastic.plan"], stdin=subprocess.PIPE,
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        for older in self._plan_procs:     # a newer version's plan supersedes one still running
+            if older.poll() is None:
+                older.kill()
+        try:
+            proc = subprocess.Popen([sys.executable, "-m", "gyre_core.elastic.plan"], stdin=subprocess.PIPE,
+                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        except OSError as e:
+            self.notes.append(f"cost-aware plan at v{version} not started: {e}")
+            return
         self._plan_procs.append(proc)
 
         def plan() -> None:
-            out, err = proc.communicate(ask)
-            if proc.returncode != 0:
-                if proc.returncode > 0:       # (< 0: stopped at the run's end)
-                    self.notes.append(f"cost-aware plan at v{version} failed: {err.strip()[-300:]}")
+            try:
+                out, err = proc.communicate(ask)
+                if proc.returncode < 0:       # superseded, or stopped at the run's end
+                    return
+                if proc.returncode != 0:
+                    raise RuntimeError(err.strip()[-300:])
+                reserve, static = json.loads(out)
+            except Exception as e:            # noqa: BLE001 - the last plan stays; the run goes on
+                self.notes.append(f"cost-aware plan at v{version} failed: {e}")
                 return
-            reserve, static = json.loads(out)
-            self.policy.reserve, self.policy.static = reserve, static
-            self.plans.append((version, reserve, static))
+            with self._plan_lock:
+                if self._ended or (self.plans and self.plans[-1][0] >= version):
+                    return                    # the run is over, or a newer plan already landed
+                self.policy.reserve, self.policy.static = reserve, static
+                self.plans.append((version, reserve, static))
         th = threading.Thread(target=plan, name=f"gyre-plan-v{version}", daemon=True)
         th.start()
         self.threads.append(th)
@@ -535,6 +551,8 @@ class Coordinator:
 
     def _shutdown(self) -> None:
         self.router.abort("the elastic run ended")   # executions still waiting on a call get an error
+        with self._plan_lock:
+            self._ended = True
         for proc in self._plan_procs:
             if proc.poll() is None:
                 proc.kill()

@@ -12,6 +12,7 @@ another cell with the tokens so far.
 """
 from __future__ import annotations
 
+import os
 import threading
 import time
 
@@ -65,6 +66,13 @@ def stop_all(streams) -> None:
         s.thread.join(timeout=30)
 
 
+def first_core(cell: int, threads: int, cores: int) -> int:
+    """The first of the `threads` consecutive cores cell `cell`'s vLLM-CPU server binds to: cell i takes
+    i·threads onwards, wrapping round (cells then share cores) and never past the last core."""
+    first = (cell * threads) % cores
+    return first if first + threads <= cores else max(0, cores - threads)
+
+
 class VLLMCellDevice(RealDevice):
     def __init__(self, cell: int, policy_dir: str, weights_root: str, train: dict, seed: int,
                  start_version: int = 0, groups=None, engine: dict | None = None) -> None:
@@ -75,6 +83,8 @@ class VLLMCellDevice(RealDevice):
 
         kw = dict(engine or {})
         spec = ServerSpec.from_config(kw, policy_dir, cell_stream(seed, cell))
+        if spec.threads:                  # CPU: each cell's server on cores of its own
+            spec.first_core = first_core(cell, spec.threads, os.cpu_count() or 1)
         self.reload_tol = kw.get("reload_check_tol")      # None: the served dtype's default
         self.vllm = VLLMEngine(VLLMServer(spec).start(), self.engine.stop_ids, seed=cell_stream(seed, cell),
                                concurrency=kw.get("concurrency", 64), owns_server=True)

@@ -72,6 +72,7 @@ class ServerSpec:
     kv_cache_gib: int = 1               # CPU: VLLM_CPU_KVCACHE_SPACE
     gpu_memory_utilization: float = 0.85
     threads: int | None = None          # CPU: OpenMP threads of the worker (None: vLLM's choice)
+    first_core: int = 0                 # CPU: the threads bind to cores first_core .. first_core + threads − 1
     tensor_parallel_size: int = 1       # CUDA: GPUs the server shards the model over (vLLM-CPU: one)
     start_timeout_s: float = 300.0
     log_path: str | None = None         # server output (None: a temporary file)
@@ -159,7 +160,8 @@ class VLLMServer:
         env.pop("VIRTUAL_ENV", None)
         if s.threads:                    # CPU: that many OpenMP threads, bound to the first cores
             env["OMP_NUM_THREADS"] = str(s.threads)
-            env["VLLM_CPU_OMP_THREADS_BIND"] = "0" if s.threads == 1 else f"0-{s.threads - 1}"
+            last = s.first_core + s.threads - 1
+            env["VLLM_CPU_OMP_THREADS_BIND"] = str(last) if s.threads == 1 else f"{s.first_core}-{last}"
         return env
 
     def start(self) -> "VLLMServer":

@@ -19,9 +19,16 @@ def test_turn_times_leave_out_first_calls_and_measure_the_gaps_between_calls():
 def test_others_in_flight_is_the_time_average_concurrency_beside_each_call():
     from bench.elastic import others_in_flight
 
-    # x 0–4 and y 2–4 overlap for 2 s: beside x, 2/4 = 0.5 others on average; beside y, 1 all along;
-    # z 10–11 alone: 0. Mean over the three calls: 0.5, spread over 2 cells: 0.25
+    # first calls (left out of the average, as they include a wait for a slot) far away, alone
+    first = [(100.0 + 10 * i, 101.0 + 10 * i) for i in range(5)]
+    # x 0–4 beside y 2–4: over x 1.5 calls in flight on average (itself included), over y 2; z 10–11 alone: 1.
+    # One cell: 0.5, 1 and 0 others, mean 0.5. Two cells hold 1.5 / 2 calls per cell on average over x / y:
+    # fewer than a call beside them, 0 each
     x, y, z = (0.0, 4.0), (2.0, 4.0), (10.0, 11.0)
-    assert others_in_flight([[x, z], [y]], 1) == pytest.approx(0.5)
-    assert others_in_flight([[x, z], [y]], 2) == pytest.approx(0.25)
-    assert others_in_flight([], 2) == 0.0
+    ex = [[first[0], x, z], [first[1], y]]
+    assert others_in_flight(ex, 1) == pytest.approx(0.5)
+    assert others_in_flight(ex, 2) == 0.0
+    # four calls at once 20–21 on 2 cells: 2 per cell, 1 other beside each
+    ex = [[first[i], (20.0, 21.0)] for i in range(4)]
+    assert others_in_flight(ex, 2) == pytest.approx(1.0)
+    assert others_in_flight([], 2) == 0.0 and others_in_flight([[first[0]]], 2) == 0.0

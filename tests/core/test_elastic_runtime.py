@@ -408,4 +408,13 @@ def test_the_emulated_device_slows_a_fuller_batch_and_pauses_to_load_weights(mon
     assert c.next_t == pytest.approx(1.3 + 0.1 * 1.5)
     d.switch("train", 0.0)
     d.set_version(2)                                      # a training cell does not pause
-    assert d.pause == (0.3, 1.3) and d.version == 2
+    assert d.pause == (0.0, 0.0) and d.version == 2       # (and the switch ended the load: it loads itself)
+    d.switch("rollout", 0.0)
+    e = LiveCall(4, CallRequest("k4", [0], 6, token_s=0.1))
+    d.start(e, 2.0)                                       # alone: a token at 2.1, 2.2, ...
+    assert e.next_t == pytest.approx(2.1)
+    monkeypatch.setattr(devices.time, "monotonic", lambda: 2.25)
+    d.set_version(3)                                      # load 2.25–3.25; not advanced since 2.0
+    d.advance([e], 2.5)
+    # the tokens due at 2.1 and 2.2 came before the load, on v2; the one due at 2.3 waits it out: 3.3
+    assert e.versions == [2, 2] and e.next_t == pytest.approx(3.3)

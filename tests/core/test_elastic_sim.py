@@ -208,6 +208,12 @@ def test_a_publish_pauses_the_rollout_cells_to_load_weights_by_hand():
     assert r.step_ends == pytest.approx([2.0, 7.0])
     assert simulate(dataclasses.replace(w, weight_sync_s=0.0), k=2, capacity=2, policy="async",
                     async_train_cells=1, max_staleness=1, micro_step_executions=1).step_ends == pytest.approx([2.0, 5.0])
+    # mid-call: training 0.25 s a call, optimizer 0.25 s → v1 at 1.5, halfway through e1's second call (1–2);
+    # it stops for the load 1.5–3.5 and finishes its last 0.5 s 3.5–4; third call 4–5; trained 5–5.75,
+    # update → 6
+    w = dataclasses.replace(w, train_s_per_call=0.25, optimizer_s=0.25)
+    r = simulate(w, k=2, capacity=2, policy="async", async_train_cells=1, max_staleness=1, micro_step_executions=1)
+    assert r.step_ends == pytest.approx([1.5, 6.0])
 
 
 def test_staleness_gates_dispatch():

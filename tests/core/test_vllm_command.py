@@ -34,8 +34,16 @@ def test_a_cell_of_two_gpus_serves_tensor_parallel_over_both(monkeypatch, cell_e
     assert cmd[0] == "python-of-vllm" and "--gpu-memory-utilization" in cmd
 
 
-def test_a_cpu_cell_of_two_cores_serves_on_two_threads_without_tensor_parallel(monkeypatch, cell_engine):
+def test_cpu_cells_of_two_cores_serve_on_cores_of_their_own_without_tensor_parallel(monkeypatch, cell_engine):
+    from gyre_core.elastic.vllm_cell import first_core
+
     server = _server(monkeypatch, cell_engine, cuda=False)
     assert "--tensor-parallel-size" not in server.command()
-    env = server.environment()
-    assert (env["OMP_NUM_THREADS"], env["VLLM_CPU_OMP_THREADS_BIND"]) == ("2", "0-1")
+    binds = []
+    for cell in range(3):                           # on a machine of 4 cores, as VLLMCellDevice places them
+        server.spec.first_core = first_core(cell, server.spec.threads, 4)
+        env = server.environment()
+        assert env["OMP_NUM_THREADS"] == "2"
+        binds.append(env["VLLM_CPU_OMP_THREADS_BIND"])
+    assert binds == ["0-1", "2-3", "0-1"]           # the third wraps round
+    assert first_core(1, 1, 2) == 1 and first_core(1, 3, 4) == 1 and first_core(2, 3, 4) == 1   # never past the last
