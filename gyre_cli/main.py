@@ -358,8 +358,13 @@ def cmd_proxy(args) -> int:
 def cmd_bench(args) -> int:
     import contextlib
 
-    with contextlib.redirect_stdout(sys.stderr):   # libraries' chatter must not break the JSON on stdout
-        result = _run_bench(args)
+    try:
+        with contextlib.redirect_stdout(sys.stderr):   # libraries' chatter must not break the JSON on stdout
+            result = _run_bench(args)
+    except ModuleNotFoundError as e:                   # a benchmark's own tools (moto, ...) are dev extras
+        print(f"gyre bench {args.what}: needs the package {e.name!r}, a development extra: "
+              "bash scripts/install.sh --dev", file=sys.stderr)
+        return 2
     if result is None:
         print(f"gyre bench: unknown benchmark {args.what!r}", file=sys.stderr)
         return 2

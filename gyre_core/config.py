@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from pathlib import Path
 from typing import Any, Literal
 
@@ -25,23 +26,37 @@ class ConfigError(ValueError):
 
 
 class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True, validate_assignment=True)
+    # (no infinities or NaNs: `rl.lr=.inf` would otherwise pass `gt=0` and fail in the first update)
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True, validate_assignment=True,
+                              allow_inf_nan=False)
+
+
+RUN_ID_CHARS = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
 
 
 class RunConfig(_Section):
     name: str | None = None
     """Run id. Default: derived from the preset and seed, so rerunning the same command resumes."""
-    seed: int = 0
+    seed: int = Field(0, ge=0)
     """Seed for model init, sampling and task order."""
     out_root: str = "data/runs"
     """Where run directories (checkpoints, markers, resolved config, plots) are written."""
-    threads: int = 0
+    threads: int = Field(0, ge=0)
     """torch intra-op threads; 0 uses torch's default. On CPU, 1 makes an update bit-reproducible across
     processes (a resumed run then ends bit-identical to an uncrashed one); multi-threaded reductions differ
     at ~1e-8 between processes."""
     replay: str | None = None
     """Train on this stored run's trajectories (its `demos` and `step=N` parts in the lake) instead of
     rolling out: no rollouts and no evaluations, to debug training alone. Run id: `<replay>-replay`."""
+
+    @field_validator("name", "replay")
+    @classmethod
+    def _a_run_id(cls, v: str | None) -> str | None:
+        """A run id names a directory and a lake partition: letters, digits, `.`, `_`, `-` (no path)."""
+        if v is not None and not RUN_ID_CHARS.fullmatch(v):
+            raise ValueError(f"{v!r} is not a run id: use letters, digits, '.', '_' and '-', starting with a "
+                             "letter or digit")
+        return v
 
 
 class ModelConfig(_Section):
@@ -69,6 +84,17 @@ class ModelConfig(_Section):
     device: Literal["auto", "cpu", "cuda"] = "auto"
     """Where the policy computes (rollout engine, trainer, evaluation): `auto` is the GPU when torch sees
     one (CUDA_VISIBLE_DEVICES applies; an elastic cell sees its own slice), else the CPU."""
+
+    @model_validator(mode="after")
+    def _heads_divide(self):
+        """The tiny model's attention shapes: heads split the width, key/value heads group the heads."""
+        if self.hidden_size % self.num_heads:
+            raise ValueError(f"model.num_heads: {self.num_heads} heads do not divide model.hidden_size "
+                             f"{self.hidden_size}")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"model.num_kv_heads: {self.num_kv_heads} key/value heads do not divide "
+                             f"model.num_heads {self.num_heads}")
+        return self
 
 
 class EnvConfig(_Section):
@@ -536,7 +562,7 @@ def _describe(err: ValidationError) -> str:
         return f"{loc}: unknown key (allowed here: {allowed})"
     got = e.get("input")
     got_s = "" if isinstance(got, dict) else f" (got {got!r})"
-    return f"{loc}: {e['msg']}{got_s}"
+    return f"{loc}: {msg}{got_s}"
 
 
 def _section_for(loc: tuple) -> type[BaseModel] | None:
@@ -566,9 +592,9 @@ def apply_overrides(tree: dict, items: list[str]) -> dict:
 
 def load_config(preset: str = "default", overrides: list[str] | None = None) -> GyreConfig:
     """Preset YAML + dotted overrides → validated config. Raises ConfigError (one line)."""
-    path = PRESET_DIR / f"{preset}.yaml"
-    if not path.exists():
+    if preset not in presets():          # a name, never a path: `../x` would read any YAML file
         raise ConfigError(f"preset: unknown preset '{preset}' (allowed: {', '.join(presets())})")
+    path = PRESET_DIR / f"{preset}.yaml"
     tree = yaml.safe_load(path.read_text()) or {}
     tree = apply_overrides(tree, overrides or [])
     tree["preset"] = preset

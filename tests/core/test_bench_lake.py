@@ -54,3 +54,25 @@ def test_generation_is_deterministic():
     a = lake_step_tables(2, 50, calls_per_exec=4, seed=3)
     b = lake_step_tables(2, 50, calls_per_exec=4, seed=3)
     assert a[0].equals(b[0]) and a[1].equals(b[1]) and a[2] == b[2]
+
+
+def test_a_benchmark_missing_a_dev_package_says_so_in_one_line(monkeypatch, capsys):
+    """After the README's first install (no dev extras), `gyre bench lake` named no install command."""
+    import builtins
+
+    from gyre_cli.main import main
+
+    real_import = builtins.__import__
+
+    def without_moto(name, *args, **kw):
+        if name == "moto" or name.startswith("moto."):
+            raise ModuleNotFoundError(f"No module named {name!r}", name="moto")
+        return real_import(name, *args, **kw)
+
+    monkeypatch.setattr(builtins, "__import__", without_moto)
+    from bench import lake
+
+    monkeypatch.setattr(lake, "_lake_figures", lambda *a, **k: {})     # straight to the S3 half
+    assert main(["bench", "lake", "--quick", "--json"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1] == "gyre bench lake: needs the package 'moto', a development extra: bash scripts/install.sh --dev"

@@ -36,12 +36,29 @@ def test_dotted_overrides_parse_yaml_values():
     ("harness.command=[python,agent.py]", "eval.random_baseline: the uniform-random floor needs Gyre's own harness"),
     ("proxy.host=0.0.0.0", "proxy.host '0.0.0.0' is not loopback: set proxy.admin_token"),
     ("rl.progress_credit=1 elastic.enabled=true", "rl.progress_credit: per-turn credit is given to flat sequences"),
+    # each of these was accepted and failed later, some after the warm start
+    ("rl.lr=.inf", "rl.lr: Input should be a finite number"),
+    ("warmstart.lr=.nan", "warmstart.lr: Input should be a finite number"),
+    ("model.num_kv_heads=3", "model.num_kv_heads: 3 key/value heads do not divide model.num_heads 2"),
+    ("model.num_heads=3", "model.num_heads: 3 heads do not divide model.hidden_size 64"),
+    ("run.seed=-1", "run.seed: Input should be greater than or equal to 0 (got -1)"),
+    ("run.threads=-1", "run.threads: Input should be greater than or equal to 0 (got -1)"),
+    ("run.name=../x", "run.name: '../x' is not a run id"),
+    ("run.name=a/b", "run.name: 'a/b' is not a run id"),
+    ("run.replay=.hidden", "run.replay: '.hidden' is not a run id"),
 ])
 def test_bad_values_name_the_field(override, message):
     with pytest.raises(ConfigError) as err:
         load_config("smoke", override.split())
     assert str(err.value).startswith(message)
     assert "\n" not in str(err.value)
+
+
+def test_a_preset_is_a_name_never_a_path(tmp_path):
+    (tmp_path / "x.yaml").write_text("run: {seed: 3}\n")
+    for name in (f"../../{tmp_path.name}/x", str(tmp_path / "x"), "smoke/../smoke"):
+        with pytest.raises(ConfigError, match="preset: unknown preset"):
+            load_config(name)
 
 
 def test_unknown_preset_lists_allowed():
