@@ -192,10 +192,18 @@ def cmd_sql(args) -> int:
         if root is None:
             lake_cfg = load_config(args.preset).lake
             root, options = lake_cfg.root, dict(lake_cfg.storage_options or {})
-        out = run_sql(root, query, run_id=args.run, fmt=args.format, storage_options=options)
+        if args.lake is not None and "://" not in args.lake and not os.path.isdir(args.lake):
+            raise SqlError(f"no lake at {args.lake} (not a directory)")
+        out = run_sql(root, query, run_id=args.run, fmt=args.format, storage_options=options,
+                      timeout_s=args.timeout or None, memory_limit=args.memory_limit or None,
+                      max_rows=args.max_rows or None, on_truncate=lambda n: print(
+                          f"gyre sql: showing the first {n} rows of more (--max-rows 0 for all)", file=sys.stderr))
     except SqlError as exc:
         print(f"gyre sql: {exc.one_line()}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print("gyre sql: stopped", file=sys.stderr)
+        return 130
     except ConfigError as exc:
         print(f"gyre sql: config error: {exc}", file=sys.stderr)
         return 2
@@ -514,6 +522,11 @@ def main(argv: list[str] | None = None) -> int:
     q.add_argument("--format", default="table", choices=("table", "csv", "json"))
     q.add_argument("--lake", default=None, help="lake root (default: the preset's lake.root)")
     q.add_argument("--preset", default="default")
+    q.add_argument("--timeout", type=float, default=300.0, metavar="S",
+                   help="stop the query after S seconds (0: no limit); Ctrl-C stops it too")
+    q.add_argument("--memory-limit", default="4GB", help="DuckDB's memory limit for the query (empty: DuckDB's "
+                                                         "default, 80%% of RAM)")
+    q.add_argument("--max-rows", type=int, default=10_000, help="print at most this many rows (0: all)")
     q.set_defaults(fn=cmd_sql)
     lk = sub.add_parser("lake", help="lake maintenance: compact, check, cleanup, retain")
     lk.add_argument("action", choices=("compact", "check", "cleanup", "retain"))

@@ -33,6 +33,8 @@ import re
 import shutil
 import tempfile
 import threading
+import time
+from collections.abc import Callable
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
@@ -265,9 +267,10 @@ def _create_steps(con: duckdb.DuckDBPyConnection, manifests: list[dict[str, Any]
     con.unregister("_gyre_steps_rows")
 
 
-def connect(root: str, run_id: str | None = None,
-            storage_options: dict[str, Any] | None = None) -> duckdb.DuckDBPyConnection:
-    """A read-only DuckDB connection with the lake's views (all runs, or one run)."""
+def connect(root: str, run_id: str | None = None, storage_options: dict[str, Any] | None = None,
+            memory_limit: str | None = None) -> duckdb.DuckDBPyConnection:
+    """A read-only DuckDB connection with the lake's views (all runs, or one run); `memory_limit`: DuckDB's
+    (None: its default, 80% of RAM)."""
     lake = Lake(root, storage_options)
     files: dict[str, dict[str, Any]] = {}
     views: dict[str, list[str]] = {}
@@ -293,7 +296,8 @@ def connect(root: str, run_id: str | None = None,
             _create_steps(build, manifests)
         finally:
             build.close()
-        con = duckdb.connect(db, read_only=True, config=_START_CONFIG)
+        config = dict(_START_CONFIG, **({"memory_limit": memory_limit} if memory_limit else {}))
+        con = duckdb.connect(db, read_only=True, config=config)
         con.register_filesystem(rofs)
         for statement in _LOCKDOWN:
             con.execute(statement)
@@ -362,31 +366,82 @@ def _refuse_write(con: duckdb.DuckDBPyConnection, query: str, e: duckdb.Error) -
 
 
 def run_sql(root: str, query: str, run_id: str | None = None, fmt: str = "table",
-            storage_options: dict[str, Any] | None = None) -> str:
-    """Run one SQL statement on the lake and render its result as "table", "csv" or "json"."""
+            storage_options: dict[str, Any] | None = None, *, timeout_s: float | None = None,
+            memory_limit: str | None = None, max_rows: int | None = None,
+            on_truncate: Callable[[int], None] | None = None) -> str:
+    """Run one SQL statement on the lake and render its result as "table", "csv" or "json".
+
+    `timeout_s`: stop the query past that many seconds (SqlError); `memory_limit`: DuckDB's (e.g. "2GB"; a
+    query that needs more fails, as nothing may spill to disk); `max_rows`: render at most that many rows,
+    calling `on_truncate(max_rows)` when there were more. Ctrl-C (KeyboardInterrupt) stops the query and is
+    raised again."""
     if fmt not in ("table", "csv", "json"):
         raise ValueError(f"fmt must be 'table', 'csv' or 'json', not {fmt!r}")
     try:
-        con = connect(root, run_id, storage_options)
+        con = connect(root, run_id, storage_options, memory_limit)
     except duckdb.Error as e:       # e.g. a listed file that is not Parquet
         raise _wrap(e) from None
     except ValueError as e:         # e.g. a run id that cannot name a run
         raise SqlError(str(e)) from None
+    if run_id is not None and run_id not in (known := Lake(root, storage_options).runs()):
+        con.close()                 # (a misspelt run would answer every query with no rows)
+        raise SqlError(f"no run {run_id!r} in the lake at {root} (runs: {', '.join(known) or 'none'})")
     try:
         try:
             n = len(con.extract_statements(query))
             if n != 1:
                 raise SqlError(f"run_sql runs exactly one statement; got {n}")
-            cur = con.execute(query)
-            if cur.description is None:
-                return ""
-            columns = [d[0] for d in cur.description]
-            rows = cur.fetchall()
+            columns, rows = _execute(con, query, timeout_s, max_rows)
         except duckdb.Error as e:
             raise _refuse_write(con, query, e) from None
     finally:
         con.close()
+    if columns is None:
+        return ""
+    if max_rows is not None and len(rows) > max_rows:
+        rows = rows[:max_rows]
+        if on_truncate is not None:
+            on_truncate(max_rows)
     return {"table": _render_table, "csv": _render_csv, "json": _render_json}[fmt](columns, rows)
+
+
+def _execute(con: duckdb.DuckDBPyConnection, query: str, timeout_s: float | None,
+             max_rows: int | None) -> tuple[list[str] | None, list[tuple]]:
+    """Run the query on a thread while this one waits, so that a timeout or Ctrl-C can interrupt DuckDB
+    (a signal would only be handled after the query returned); fetch at most max_rows + 1 rows."""
+    box: dict[str, Any] = {}
+
+    def work() -> None:
+        try:
+            cur = con.execute(query)
+            if cur.description is None:
+                box["result"] = (None, [])
+                return
+            columns = [d[0] for d in cur.description]
+            box["result"] = (columns, cur.fetchall() if max_rows is None else cur.fetchmany(max_rows + 1))
+        except BaseException as e:  # noqa: BLE001 - handed to the waiting thread
+            box["error"] = e
+
+    th = threading.Thread(target=work, name="gyre-sql", daemon=True)
+    th.start()
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    def stop() -> None:
+        while th.is_alive():           # (an interrupt before the query began would be lost: repeat it)
+            con.interrupt()
+            th.join(0.05)
+
+    try:
+        while th.is_alive():
+            th.join(0.05)
+            if deadline is not None and th.is_alive() and time.monotonic() > deadline:
+                stop()
+                raise SqlError(f"the query ran past {timeout_s:g} s and was stopped (gyre sql --timeout)")
+    except KeyboardInterrupt:
+        stop()
+        raise
+    if "error" in box:
+        raise box["error"]
+    return box["result"]
 
 
 def _render_csv(columns: list[str], rows: list[tuple]) -> str:

@@ -409,3 +409,52 @@ def test_a_failed_insert_into_nothing_is_not_a_refusal(lake_root):
     with pytest.raises(SqlError) as info:     # no such table: an ordinary error, not "read-only"
         run_sql(lake_root, "INSERT INTO nothing VALUES (1)")
     assert not isinstance(info.value, SqlRefused)
+
+
+def test_a_run_or_lake_that_is_not_there_is_an_error_not_zero_rows(lake_root, tmp_path, capsys):
+    with pytest.raises(SqlError, match=r"no run 'r9' in the lake at .* \(runs: r1, r2\)"):
+        run_sql(lake_root, "SELECT count(*) FROM executions", run_id="r9")
+    assert main(["sql", "SELECT 1", "--lake", str(tmp_path / "nowhere")]) == 2
+    assert capsys.readouterr().err == f"gyre sql: no lake at {tmp_path / 'nowhere'} (not a directory)\n"
+
+
+def test_a_long_query_stops_at_its_timeout_and_a_big_result_prints_its_first_rows(lake_root, capsys):
+    import time
+
+    t0 = time.monotonic()
+    with pytest.raises(SqlError, match=r"ran past 0.5 s and was stopped"):
+        run_sql(lake_root, "SELECT count(*) FROM range(100000000000) a", timeout_s=0.5)
+    assert time.monotonic() - t0 < 60            # interrupted, not run to its end (hours)
+    cut = []
+    out = run_sql(lake_root, "SELECT range AS i FROM range(1000)", fmt="csv", max_rows=3, on_truncate=cut.append)
+    assert out == "i\n0\n1\n2\n" and cut == [3]
+    assert run_sql(lake_root, "SELECT range AS i FROM range(3)", fmt="csv", max_rows=3, on_truncate=cut.append) \
+        == "i\n0\n1\n2\n" and cut == [3]          # exactly max_rows: nothing cut
+    assert main(["sql", "SELECT range AS i FROM range(50)", "--format", "csv", "--max-rows", "5", "--lake",
+                 lake_root]) == 0
+    got = capsys.readouterr()
+    assert got.out == "i\n0\n1\n2\n3\n4\n" and "showing the first 5 rows of more" in got.err
+
+
+def test_a_query_past_its_memory_limit_fails_cleanly(lake_root):
+    with pytest.raises(SqlError, match=r"(?i)out of memory|memory limit"):
+        run_sql(lake_root, "SELECT list(range) FROM range(50000000)", memory_limit="64MB")
+
+
+def test_ctrl_c_stops_a_running_query(lake_root, monkeypatch):
+    """The query runs on a thread; a KeyboardInterrupt in the waiting one interrupts DuckDB and propagates."""
+    import threading
+
+    from gyre_core.lake import sql as sql_mod
+
+    real_join = threading.Thread.join
+    calls = []
+
+    def join(self, timeout=None):            # the waiting loop's first poll is where Ctrl-C lands
+        if self.name == "gyre-sql" and timeout is not None and not calls:
+            calls.append(1)
+            raise KeyboardInterrupt
+        return real_join(self, timeout)
+    monkeypatch.setattr(sql_mod.threading.Thread, "join", join)
+    with pytest.raises(KeyboardInterrupt):
+        run_sql(lake_root, "SELECT count(*) FROM range(100000000000) a")
