@@ -18,8 +18,11 @@ Also here, each a method of `Lake`:
   * quarantine: every listed file is checked once per process (size, Parquet footer, row count, column
     types) before it is read; a bad one is moved to `<root>/_quarantine/...` with the reason, its manifest
     entry is dropped, a warning names the path, and every read goes on with the rest.
-  * cleanup: `cleanup(run)` removes what a crashed writer left (parts without a manifest, temp files,
-    unlisted files) and finishes an interrupted compaction.
+  * cleanup: `cleanup(run)` removes what a crashed writer left (temp files, unlisted files) and finishes
+    an interrupted compaction; a part without a manifest has its whole Parquet files moved to
+    `<root>/_quarantine/<run>/<part>/<time>/` (they may be committed data whose manifest was lost).
+  * damaged manifests (truncated, not JSON, no `files`) are moved aside the same way and named in a warning;
+    the part then reads as uncommitted (`cleanup` sets its files aside too), never as an error.
   * compaction's last act: after a `compacted-<id>` part's manifest (the commit; `gyre_core.lake.compaction`
     writes it), the parts it covers keep their manifests (the completion markers) with `compacted_into`
     and no files of their own (`_retire_covered`; `cleanup` finishes an interrupted one).
@@ -266,8 +269,15 @@ class Lake:
     def _read_manifest(self, path: str) -> dict[str, Any] | None:
         try:
             with self.fs.open(path, "rb") as f:
-                body = json.loads(f.read())
+                raw = f.read()
         except FileNotFoundError:
+            return None
+        try:
+            body = json.loads(raw)
+            if not isinstance(body, dict) or not isinstance(body.get("files"), dict):
+                raise ValueError("not a Gyre lake manifest (no 'files')")
+        except ValueError as e:           # truncated, garbage, or another file's: set aside, never trusted
+            self._set_aside(path.rsplit("/", 1)[0], [path], f"damaged manifest ({type(e).__name__}: {e})")
             return None
         v = body.get("schema_version")
         if not isinstance(v, int) or not MIN_READ_VERSION <= v <= SCHEMA_VERSION:
@@ -438,6 +448,25 @@ class Lake:
         _warn(f"{self.url(src)}: {reason}; moved to {self.url(dest)}, reading on without it")
         return dest
 
+    def _set_aside(self, d: str, paths: list[str], reason: str) -> None:
+        """Move `paths` of part directory `d` to `<root>/_quarantine/<run>/<part>/` with a note of why, and
+        say so (on a lake that cannot be written: only say so)."""
+        run_id, part = d.rstrip("/").rsplit("/", 2)[-2:]
+        stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%S%f")
+        dest = f"{self.path}/{QUARANTINE}/{run_id}/{part}/{stamp}"
+        names = [p.rstrip("/").rsplit("/", 1)[-1] for p in paths]
+        try:
+            self.fs.makedirs(dest, exist_ok=True)
+            for p, name in zip(paths, names):
+                self.fs.mv(p, f"{dest}/{name}")
+            self._put_json(f"{dest}/reason.json", {"source": self.relpath(d), "files": names, "reason": reason,
+                                                   "at": stamp})
+        except Exception as e:  # noqa: BLE001 - a read-only lake: skip it in this session only
+            _warn(f"{self.url(d)}: {reason}; skipped (cannot move {', '.join(names)} to {QUARANTINE}/: "
+                  f"{type(e).__name__}: {e})")
+            return
+        _warn(f"{self.url(d)}: {reason}; {', '.join(names)} moved to {self.url(dest)}")
+
     def check(self, run_id: str | None = None) -> list[dict[str, Any]]:
         """Check every listed file now (quarantining bad ones); returns what was quarantined."""
         before = {(m["run_id"], m["part"]): set(m.get("quarantined", {})) for m in self.manifests(run_id)}
@@ -468,7 +497,16 @@ class Lake:
             d = f"{base}/{p}"
             m = self._read_manifest(f"{d}/{MANIFEST}")
             if m is None:
-                self.fs.rm(d, recursive=True)
+                # a writer that died before its commit, or a manifest lost or damaged: whole Parquet files
+                # may be committed data, so they are moved aside, never deleted; temp files go
+                whole = [f for f in self.fs.ls(d, detail=False) if f.endswith(".parquet")]
+                if whole:
+                    self._set_aside(d, whole, "a part without a manifest (an uncommitted write, or its manifest "
+                                              "was lost)")
+                try:
+                    self.fs.rm(d, recursive=True)
+                except FileNotFoundError:         # (on S3 a directory is gone with its last file)
+                    pass
                 report["uncommitted_parts"] += 1
                 continue
             keep = {v["file"] for v in m["files"].values()} | {MANIFEST}

@@ -193,6 +193,36 @@ def test_cleanup_removes_leftovers_only(where):
     assert not lake.fs.exists(d4) and not lake.fs.exists(f"{d3}/calls.parquet.tmp-123")
     assert lake.read_records("run1") == recs and lake.read("executions", "run2").num_rows == 3
     assert lake.cleanup("run1") == {"uncommitted_parts": 0, "stray_files": 0, "compactions_finished": 0}
+    # the uncommitted part's whole Parquet file was moved aside, not deleted (it might have been committed)
+    [aside] = lake.fs.glob(f"{lake.path}/_quarantine/run1/step=4/*/executions.parquet")
+    assert lake.fs.cat_file(aside) == b"never committed"
+
+
+def test_a_damaged_or_lost_manifest_is_set_aside_and_named_never_a_reason_to_delete(where, capfd):
+    """A truncated manifest made every query, `gyre lake check` and resume fail with a JSON error naming no
+    file; a deleted one made resume's clean-up delete the part's intact Parquet files."""
+    lake = _lake(where)
+    lake.write_part("run1", "step=0", _tables(_records("run1", 0)))
+    lake.write_part("run1", "step=1", _tables(_records("run1", 1)))
+    lake.write_part("run1", "step=2", _tables(_records("run1", 2)))
+    d0, d1 = lake.part_dir("run1", "step=0"), lake.part_dir("run1", "step=1")
+    files1 = {f.rsplit("/", 1)[-1]: lake.fs.cat_file(f) for f in lake.fs.ls(d1, detail=False) if f.endswith(".parquet")}
+    m0 = lake.fs.cat_file(f"{d0}/{MANIFEST}")
+    lake.fs.pipe(f"{d0}/{MANIFEST}", m0[: len(m0) // 2])          # truncated
+    lake.fs.rm_file(f"{d1}/{MANIFEST}")                            # lost
+    # queries answer from what is intact, and the damaged manifest is named
+    assert _sql(where, "SELECT step, count(*) AS n FROM executions GROUP BY 1 ORDER BY 1") == "step,n\n2,3\n"
+    err = capfd.readouterr().err
+    assert "runs/run1/step=0" in err and "damaged manifest" in err
+    assert lake.check() == [] and lake.parts("run1") == ["step=2"]
+    # a run's start-up clean-up sets step 1's intact files aside, byte for byte, with the reason
+    lake.cleanup("run1")
+    moved = {f.rsplit("/", 1)[-1]: lake.fs.cat_file(f) for f in lake.fs.glob(f"{lake.path}/_quarantine/run1/step=1/*/*.parquet")}
+    assert moved == files1 and len(files1) >= 2
+    [why] = lake.fs.glob(f"{lake.path}/_quarantine/run1/step=1/*/reason.json")
+    assert "without a manifest" in json.loads(lake.fs.cat_file(why))["reason"]
+    [m] = lake.fs.glob(f"{lake.path}/_quarantine/run1/step=0/*/{MANIFEST}")
+    assert lake.fs.cat_file(m) == m0[: len(m0) // 2]
 
 
 # ---- compaction ---------------------------------------------------------------------------------------
