@@ -32,6 +32,7 @@ def warm_start(run_dir: str) -> str:
         records = replayed_records(run, DEMOS_PART)
     else:
         records = demonstrations(run, seeds, "demo", "warm start: demonstrations")
+    over = _longer_than_a_call(records, cfg.harness.max_new_tokens)
     write_records(run, DEMOS_PART, records)
     good = [r for r in records if r.success]
     model, tok = training_model(cfg, run.policy0)
@@ -42,7 +43,22 @@ def warm_start(run_dir: str) -> str:
                                    "demo_success": len(good) / max(len(records), 1),
                                    "sequences": n_seq, "sft_steps": len(losses),
                                    "loss_first": losses[0] if losses else None,
-                                   "loss_last": losses[-1] if losses else None, "wall_s": time.time() - t0})["path"]
+                                   "loss_last": losses[-1] if losses else None, "demo_calls_cut": over,
+                                   "wall_s": time.time() - t0})["path"]
+
+
+def _longer_than_a_call(records: list, max_new_tokens: int) -> int:
+    """How many demonstrated calls are longer than the policy may generate in one call, said out loud: the
+    warm start would teach actions the rollouts then cut at `harness.max_new_tokens`."""
+    lengths = [len(c.completion_ids) for r in records for c in r.calls]
+    over = sum(n > max_new_tokens for n in lengths)
+    if over:
+        import sys
+
+        print(f"gyre: {over} of {len(lengths)} demonstrated actions are longer than harness.max_new_tokens="
+              f"{max_new_tokens} (up to {max(lengths)} tokens): the policy can only produce them cut; raise "
+              f"harness.max_new_tokens", file=sys.stderr)
+    return over
 
 
 def demonstrations(run: RunDir, seeds: list[int], kind: str, label: str) -> list:

@@ -90,3 +90,22 @@ def test_model_path_takes_any_hf_directory(finished_run, tmp_path):
     assert t_new.get_vocab() == t_src.get_vocab() and t_new.chat_template == t_src.chat_template
     for (k, a), b in zip(m_src.state_dict().items(), m_new.state_dict().values()):
         assert a.equal(b), k
+
+
+def test_demonstrations_longer_than_a_call_are_said_out_loud(tmp_path, capfd):
+    """A preset's max_new_tokens once cut 7-token expert commands silently."""
+    from gyre_core import phases
+    from gyre_core.run import RunDir
+
+    cfg = load_config("smoke", [f"run.out_root={tmp_path}/runs", f"lake.root={tmp_path}/lake",
+                                f"tracking.uri=sqlite:///{tmp_path}/m.db", "harness.max_new_tokens=1",
+                                "env.target=gyre_core.envs.scripted:ScriptedEnv", "env.kwargs={length: 3}",
+                                "warmstart.episodes=4", "warmstart.steps=1"])
+    run_dir = phases.prepare(cfg)
+    phases.warm_start(run_dir)
+    demos = phases.run_objects.read_records(RunDir.open(run_dir), "demos")
+    lengths = [len(c.completion_ids) for r in demos for c in r.calls]
+    over = sum(n > 1 for n in lengths)
+    assert over > 0 and RunDir.open(run_dir).done("warm_start")["demo_calls_cut"] == over
+    assert (f"gyre: {over} of {len(lengths)} demonstrated actions are longer than harness.max_new_tokens=1 "
+            f"(up to {max(lengths)} tokens)") in capfd.readouterr().err
