@@ -12,9 +12,11 @@
    the executions lived them (`turn_times`: a call's latency at the batch sizes that run had, an
    execution's first call left out as it includes waiting for a slot; the gap between calls, which holds
    the harness's own work besides `REAL_LATENCY_S`), training seconds per trained call, update seconds
-   and switch times become the emulated device's costs. The emulated device does not slow down as more calls share
-   a cell (the real CPU cell does), and the colocated real run's `sim_rel_err` is measured on the run the
-   calibration came from.
+   and switch times become the emulated device's costs. How the cells' decoding slows as their batch fills
+   is measured on their model (`decode_load`, `bench/decode_load.py`): the emulated device and the
+   simulator slow down by that β, and the calibrated call time is the lived one with it divided out
+   (`others_in_flight`). The colocated real run's `sim_rel_err` is measured on the run the calibration
+   came from.
 2. **Emulated K = 8** (`emulated`, clearly labelled): the same router, controller, queues and agent
    processes, device work replaced by those calibrated waits, on the documented long-tailed workload
    `WORKLOAD` (lognormal calls per execution, capped at a timeout, environment latency per call). `async`
