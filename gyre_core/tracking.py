@@ -15,9 +15,34 @@ def _mlflow(uri: str):
     import mlflow
 
     if uri.startswith("sqlite:///"):
-        Path(uri[len("sqlite:///"):]).parent.mkdir(parents=True, exist_ok=True)
+        create_sqlite_store(Path(uri[len("sqlite:///"):]))
     mlflow.set_tracking_uri(uri)
     return mlflow
+
+
+def create_sqlite_store(path: Path) -> None:
+    """Create a local MLflow store whole or not at all: its tables are made in a file beside it, which then
+    takes the store's name in one step (a process killed while MLflow migrates its schema left a
+    half-created `mlflow.db` that every later run in the directory failed on). A store that exists, or one
+    another process created meanwhile, is left as it is."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if path.exists():
+        return
+    from mlflow.tracking import MlflowClient
+
+    import time
+
+    # a name of its own each attempt: MLflow caches a store per URI, so a retry in this process would
+    # otherwise reuse the first attempt's (deleted) database
+    tmp = path.with_name(f".{path.name}.creating-{os.getpid()}-{time.monotonic_ns()}")
+    try:
+        MlflowClient(tracking_uri=f"sqlite:///{tmp}").search_experiments(max_results=1)   # makes the tables
+        try:
+            os.link(tmp, path)            # the store appears complete, or not at all
+        except FileExistsError:
+            pass
+    finally:
+        tmp.unlink(missing_ok=True)
 
 
 TAG_LIMIT = 5000   # characters MLflow keeps in a tag value (8000 on newer servers; stay under both)
