@@ -119,13 +119,11 @@ def _paper_2_4t() -> Profile:
 
 
 def full_cell_call(w: Workload, full_call_s: float, capacity: int) -> Workload:
-    """`w` with `call_s` set so that a call on a full cell (`capacity` bound) takes `full_call_s`."""
-    from .sim import slowdown
-
-    out = dataclasses.replace(w, call_s=full_call_s)
-    for _ in range(50):               # a fixed point: the slowdown depends on call_s (the others' share)
-        out = dataclasses.replace(out, call_s=full_call_s / slowdown(out, capacity))
-    return out
+    """`w` with `call_s` set so that a call on a full cell (`capacity` bound) takes `full_call_s`: with
+    x = call_s·f the full cell's call, `sim.slowdown`'s a·f² + (e − a − k·a)·f − e = 0 (k = β·(capacity − 1))
+    times a reads x² + (e − a·(1 + k))·x − e·a = 0, so a = x·(x + e) / ((1 + k)·x + e)."""
+    x, e, k = full_call_s, w.env_s, w.decode_slowdown * max(capacity - 1, 0)
+    return dataclasses.replace(w, call_s=x * (x + e) / ((1 + k) * x + e) if x > 0 else x)
 
 
 PROFILES = {"laptop": _laptop, "paper-122b": _paper_122b, "paper-2.4t": _paper_2_4t}

@@ -161,7 +161,7 @@ class Coordinator:
         self._calls_dist: CallDistribution | None = None   # the cost-aware policy's, rebuilt as executions end
         self._calls_dist_at = -1
         self._planned_for = -1                     # the version the cost-aware plan was last made at
-        self._plan_procs: list = []                # its planner processes (stopped at the end if still running)
+        self._plan_proc = None                     # its planner process (the newest; stopped at the end)
         self._plan_lock = threading.Lock()
         self._ended = False                        # set at shutdown: a plan landing later is not applied
         self.plans: list[tuple[int, int, bool]] = []   # (version, reserve, static) as each plan landed
@@ -339,9 +339,10 @@ class Coordinator:
         per_execution = statistics.fmean(self.micro_s) / self.cfg.micro_step_executions
         update = statistics.fmean(self.optim_s) if self.optim_s else 0.0
         train = self.stream.untrained(self.version) * per_execution + update
+        pace = statistics.median(period)
         if self._planned_for != self.version and self.optim_s:
-            self._plan(ended, statistics.median(period), per_execution / max(statistics.fmean(ended), 1.0), update)
-        return Estimates.of(live + [0] * unstarted, self._calls_dist, statistics.median(period), train)
+            self._plan(ended, pace, per_execution / max(statistics.fmean(ended), 1.0), update)
+        return Estimates.of(live + [0] * unstarted, self._calls_dist, pace, train)
 
     def _plan(self, calls: list[int], period_s: float, train_per_call_s: float, update_s: float) -> None:
         """Re-plan the cost-aware policy's training reserve once a version (`sim.plan_reserve`), in a process
@@ -365,16 +366,14 @@ class Coordinator:
         ask = json.dumps({"workload": w.to_dict(), "k": len(self.order), "capacity": self.cfg.capacity,
                           "max_staleness": self.staleness, "micro": self.cfg.micro_step_executions})
 
-        for older in self._plan_procs:     # a newer version's plan supersedes one still running
-            if older.poll() is None:
-                older.kill()
+        self._stop_planner()              # a newer version's plan supersedes one still running
         try:
             proc = subprocess.Popen([sys.executable, "-m", "gyre_core.elastic.plan"], stdin=subprocess.PIPE,
                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         except OSError as e:
             self.notes.append(f"cost-aware plan at v{version} not started: {e}")
             return
-        self._plan_procs.append(proc)
+        self._plan_proc = proc
 
         def plan() -> None:
             try:
@@ -395,6 +394,10 @@ class Coordinator:
         th = threading.Thread(target=plan, name=f"gyre-plan-v{version}", daemon=True)
         th.start()
         self.threads.append(th)
+
+    def _stop_planner(self) -> None:
+        if self._plan_proc is not None and self._plan_proc.poll() is None:
+            self._plan_proc.kill()
 
     def _feed(self) -> None:
         for i in self.order:
@@ -553,9 +556,7 @@ class Coordinator:
         self.router.abort("the elastic run ended")   # executions still waiting on a call get an error
         with self._plan_lock:
             self._ended = True
-        for proc in self._plan_procs:
-            if proc.poll() is None:
-                proc.kill()
+        self._stop_planner()
         for c in self.cells.values():
             if c.role != "dead":
                 self._set_role(c, c.role)   # close the open span

@@ -367,7 +367,7 @@ class _Sim:
     def _retime(self, c: _Cell, pause_s: float = 0.0) -> None:
         """The cell's load changed (or it pauses `pause_s` to load weights): bring its executions' progress
         up to now at the old speed, then plan the rest at the new one."""
-        new = self.slowdown(len(c.bound))
+        new = slowdown(self.w, len(c.bound))
         if new == c.factor and pause_s <= 0:
             return
         if pause_s > 0:
@@ -379,9 +379,6 @@ class _Sim:
         c.factor = new
         for i in c.bound:
             self._schedule(i)
-
-    def slowdown(self, bound: int) -> float:
-        return slowdown(self.w, bound)
 
     def _leave_rollout(self, c: _Cell) -> None:
         c.paused_until = 0.0             # coming back, its switch loads the newest weights
@@ -582,8 +579,9 @@ def step_s_floor(workload: Workload, k: int, capacity: int, max_staleness: int) 
 
     - Work: each execution holds a rollout slot for its calls and environment turns, n·(call_s·f_b + env_s)
       on a cell holding b, so a burst needs ≥ Σ n · min over b ≤ capacity of (call_s·f_b + env_s) / b rollout
-      cell-seconds (f_b: the decode slowdown at b — for β below about 1 a full cell is the best yield), plus Σ train_s(n) training cell-seconds and the update (optimizer step and publish);
-      K cells give K cell-seconds a second.
+      cell-seconds (f_b: the decode slowdown at b — for β below about 1 a full cell is the best yield),
+      plus Σ train_s(n) training cell-seconds and the update (optimizer step and publish); K cells give K
+      cell-seconds a second.
     - Critical path: burst s + S + 1 (S = `max_staleness`) is dispatched only once version s + 1 exists,
       i.e. after burst s's longest execution ran its n_max·(call_s + env_s), the micro-step holding it
       trained (≥ train_s(n_max)) and the update ran (its calls at full speed, alone on a cell). Chains s,
@@ -595,12 +593,12 @@ def step_s_floor(workload: Workload, k: int, capacity: int, max_staleness: int) 
     steps = max(w.steps, 1)
     update = w.optimizer_s + w.publish_s
     work, path = 0.0, []
-    # a slot-second's best yield: a fuller cell is slower per call but (for β below about 1) does more calls
-    # a second; whatever β, no load does better than the best of 1..capacity
-    per_call = min((w.call_s * slowdown(w, b) + w.env_s) / b for b in range(1, capacity + 1)) * capacity
+    # rollout cell-seconds per call at the best load: a fuller cell is slower per call but (for β below
+    # about 1) does more calls a second; whatever β, no load does better than the best of 1..capacity
+    cell_s_per_call = min((w.call_s * slowdown(w, b) + w.env_s) / b for b in range(1, capacity + 1))
     for s in range(w.steps):
         calls = w.calls(s)
-        work += sum(n * per_call for n in calls) / capacity + sum(w.train_s(n) for n in calls) + update
+        work += sum(calls) * cell_s_per_call + sum(w.train_s(n) for n in calls) + update
         n_max = max(calls)
         path.append(n_max * (w.call_s + w.env_s) + w.train_s(n_max) + update)
     chain = max(sum(path[s0::max_staleness + 1]) for s0 in range(min(max_staleness + 1, len(path)))) if path else 0.0

@@ -93,7 +93,7 @@ class VLLMCellDevice(RealDevice):
             from ..engine.vllm import cuda_host
 
             self.label += (f", serves tensor-parallel on {spec.tensor_parallel_size} GPUs" if cuda_host()
-                           else f", serves on {spec.tensor_parallel_size} CPU threads (vLLM-CPU: no tensor parallel)")
+                           else f", serves on {spec.threads} CPU threads (vLLM-CPU: no tensor parallel)")
         self.served = -1                  # the version the server holds (its start-up weights: the policy dir)
         self.streams: dict[int, _Stream] = {}
         self._opened = 0

@@ -383,9 +383,9 @@ def run_sql(root: str, query: str, run_id: str | None = None, fmt: str = "table"
         raise _wrap(e) from None
     except ValueError as e:         # e.g. a run id that cannot name a run
         raise SqlError(str(e)) from None
-    if run_id is not None and run_id not in (known := Lake(root, storage_options).runs()):
+    if run_id is not None and not (lake := Lake(root, storage_options)).parts(run_id):
         con.close()                 # (a misspelt run would answer every query with no rows)
-        raise SqlError(f"no run {run_id!r} in the lake at {root} (runs: {', '.join(known) or 'none'})")
+        raise SqlError(f"no run {run_id!r} in the lake at {root} (runs: {', '.join(lake.runs()) or 'none'})")
     try:
         try:
             n = len(con.extract_statements(query))

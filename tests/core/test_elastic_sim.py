@@ -193,7 +193,7 @@ def test_a_fuller_cell_decodes_slower_by_hand():
     # with environment turns the others are in flight for their share of a turn: call_s = env_s = 1, β = 1
     # and 2 executions give f = 1 + f / (f + 1), f² − f − 1 = 0: the golden ratio
     sim = _Sim(dataclasses.replace(w, env_s=1.0, decode_slowdown=1.0), 2, 2, "elastic", 1, 1, 1)
-    assert sim.slowdown(2) == pytest.approx((1 + 5 ** 0.5) / 2) and sim.slowdown(1) == 1.0
+    assert slowdown(sim.w, 2) == pytest.approx((1 + 5 ** 0.5) / 2) and slowdown(sim.w, 1) == 1.0
 
 
 def test_a_publish_pauses_the_rollout_cells_to_load_weights_by_hand():
