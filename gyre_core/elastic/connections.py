@@ -22,17 +22,21 @@ from __future__ import annotations
 import os
 import queue
 import secrets
+import select
+import socket
+import struct
 import subprocess
 import sys
 import threading
 import time
 from dataclasses import dataclass, field
-from multiprocessing import AuthenticationError
-from multiprocessing.connection import Client, Connection, Listener
+from multiprocessing.connection import Connection, answer_challenge, deliver_challenge
 from typing import Callable, Protocol
 
 from ..config import ConfigError, ElasticConfig
-from .messages import Beat, CellLost, Done, Stop, ToCell
+from .messages import Beat, CellLost, Done, Hello, Stop, ToCell
+
+_HANDSHAKE_S = 30   # a dialer that has not proved the key and said hello by then is dropped
 
 # each cell's trainer is its own process group: a coordinator's torch.distributed settings are not the cells'
 _RENDEZVOUS = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK")
@@ -114,10 +118,12 @@ class CellConnections:
         t_launch = time.monotonic()
         key = secrets.token_hex(16)
         # all may dial at once; the address is one every cell can reach (127.0.0.1 on one host)
-        listener = Listener((self.cfg.coordinator_host, 0), backlog=self.cfg.cells, authkey=key.encode())
+        host = self.cfg.coordinator_host
+        server = socket.create_server((host, 0), backlog=max(self.cfg.cells, 16),
+                                      family=socket.AF_INET6 if ":" in host else socket.AF_INET)
         try:
-            self._launch(listener.address, key, cell_args, real, grad_groups)
-            self._accept(listener, key)
+            self._launch((host, server.getsockname()[1]), key, cell_args, real, grad_groups)
+            self._accept(server, key.encode())
         except BaseException:
             for link in self._links.values():
                 link.conn.close()
@@ -126,6 +132,8 @@ class CellConnections:
                     p.kill()
             self.launcher.close()
             raise
+        finally:
+            server.close()
         self.start_s = time.monotonic() - t_launch
         for link in self._links.values():
             threading.Thread(target=self._reader, args=(link,), daemon=True).start()
@@ -152,65 +160,70 @@ class CellConnections:
                     *cell_args, *group_args]
             self._procs.append(self.launcher.launch(i, args, env))
 
-    def _accept(self, listener: Listener, key: str) -> None:
-        """Take every agent's connection and hello, within `elastic.start_timeout_s`; closes the listener."""
+    def _accept(self, server: socket.socket, key: bytes) -> None:
+        """Take every agent's connection and hello within `elastic.start_timeout_s`.
+
+        Each connection proves it holds the run's key (multiprocessing's challenge, both ways) and says
+        `Hello` on a thread of its own, within `_HANDSHAKE_S`: a stray dialer (a port scan, a connection
+        that sends nothing or garbage, a wrong key) is dropped without holding up the agents or the
+        deadline. The acceptor polls, so giving up never depends on one more connection arriving."""
         procs, want = self._procs, self.cfg.cells
         arrived: queue.Queue = queue.Queue()
         stop = threading.Event()
 
+        def handshake(sock: socket.socket) -> None:
+            sock.settimeout(None)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, struct.pack("ll", _HANDSHAKE_S, 0))
+            conn = Connection(sock.detach())
+            try:
+                deliver_challenge(conn, key)
+                answer_challenge(conn, key)
+                hello = conn.recv()
+                if not (isinstance(hello, Hello) and 0 <= hello.cell < want) or stop.is_set():
+                    raise ValueError("not a cell's hello")
+                with socket.socket(fileno=os.dup(conn.fileno())) as same:   # no timeout once it is a cell
+                    same.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, struct.pack("ll", 0, 0))
+            except Exception:     # noqa: BLE001 — whatever a stray sent, it is not one of ours
+                conn.close()
+                return
+            arrived.put((conn, hello))
+
         def accept() -> None:
-            accepted = 0
-            while accepted < want:
-                try:
-                    conn = listener.accept()
-                except AuthenticationError:      # a stray dialer with another key: not one of ours
+            while not stop.is_set():
+                if not select.select([server], [], [], 0.2)[0]:
                     continue
-                except (OSError, EOFError) as e:
-                    arrived.put((None, e))
-                    return
-                if stop.is_set():                # woken by `give_up` below: nobody waits any more
-                    conn.close()
-                    return
                 try:
-                    arrived.put((conn, conn.recv()))
-                except (OSError, EOFError) as e:
-                    arrived.put((None, e))
-                    return
-                accepted += 1
+                    sock, _ = server.accept()
+                except OSError:        # the dialer left before it was taken
+                    continue
+                threading.Thread(target=handshake, args=(sock,), daemon=True).start()
         acceptor = threading.Thread(target=accept, daemon=True)
         acceptor.start()
-
-        def give_up(why: str) -> None:
-            """Stop the acceptor before closing the listener: a thread still blocked in accept() would
-            otherwise take the next listener that reuses the socket's descriptor (a retry in this process)."""
-            stop.set()
-            try:
-                Client(listener.address, authkey=key.encode()).close()
-            except (OSError, EOFError, AuthenticationError):
-                pass
-            acceptor.join(5)
-            listener.close()            # the agents started are killed by `start`, which handles any failure here
-            raise RuntimeError(f"gyre elastic: cell agents failed to start: {why}")
-
         deadline = time.monotonic() + self.cfg.start_timeout_s
-        while len(self._links) < want:
-            try:
-                conn, hello = arrived.get(timeout=0.2)     # hello: the agent's `Hello`
-            except queue.Empty:
-                failed = [i for i, p in enumerate(procs) if i not in self._links and p.poll() is not None]
-                late = time.monotonic() > deadline
-                if failed or late:
-                    pending = {i: p for i, p in enumerate(procs) if i not in self._links}
-                    give_up(", ".join(self.launcher.describe(i, procs[i]) for i in failed) if failed else
+        try:
+            while len(self._links) < want:
+                try:
+                    conn, hello = arrived.get(timeout=0.2)
+                except queue.Empty:
+                    failed = [i for i, p in enumerate(procs) if i not in self._links and p.poll() is not None]
+                    if failed or time.monotonic() > deadline:
+                        pending = {i: p for i, p in enumerate(procs) if i not in self._links}
+                        raise RuntimeError("gyre elastic: cell agents failed to start: " + (
+                            ", ".join(self.launcher.describe(i, procs[i]) for i in failed) if failed else
                             f"only {len(self._links)} of {want} cells connected within "
                             f"{self.cfg.start_timeout_s:g} s (elastic.start_timeout_s)"
-                            + self.launcher.waiting(pending))
-                continue
-            if conn is None:
-                give_up(f"accepting a connection failed: {hello}")
-            self._links[hello.cell] = _Link(hello.cell, conn, procs[hello.cell], last_seen=time.monotonic())
-            self.devices[hello.cell] = hello.device
-        listener.close()
+                            + self.launcher.waiting(pending)))
+                    continue
+                if hello.cell in self._links:      # a second hello for one cell: keep the first
+                    conn.close()
+                    continue
+                self._links[hello.cell] = _Link(hello.cell, conn, procs[hello.cell], last_seen=time.monotonic())
+                self.devices[hello.cell] = hello.device
+        finally:
+            # stopped before the server closes: a thread still in accept() must not take the next server
+            # that reuses the descriptor (a retry in this process)
+            stop.set()
+            acceptor.join()
 
     # -- while the run goes on ------------------------------------------------------------------
     def send(self, cell: int, msg: ToCell) -> None:

@@ -418,3 +418,84 @@ def test_the_emulated_device_slows_a_fuller_batch_and_pauses_to_load_weights(mon
     d.advance([e], 2.5)
     # the tokens due at 2.1 and 2.2 came before the load, on v2; the one due at 2.3 waits it out: 3.3
     assert e.versions == [2, 2] and e.next_t == pytest.approx(3.3)
+
+
+class _StrayDialers:
+    """The default launcher, with strangers dialling the coordinator's port before each agent starts: one
+    that connects and says nothing, one that hangs up at once, one that sends garbage, one with a wrong key."""
+
+    name = "process"
+
+    def __init__(self):
+        from gyre_core.elastic.connections import ProcessLauncher
+
+        self.inner, self.socks, self.bad_key_refused = ProcessLauncher(), [], 0
+
+    def launch(self, cell, args, env):
+        import socket
+        import threading
+        from multiprocessing import AuthenticationError
+        from multiprocessing.connection import Client
+
+        host, port = args[args.index("--coordinator") + 1].rsplit(":", 1)
+        silent = socket.create_connection((host, int(port)))
+        self.socks.append(silent)                                   # held open for the whole start
+        socket.create_connection((host, int(port))).close()         # hangs up at once
+        noisy = socket.create_connection((host, int(port)))
+        noisy.sendall(b"\xff" * 64 + b"GET / HTTP/1.1\r\n\r\n")
+        self.socks.append(noisy)
+
+        def wrong_key():
+            try:
+                Client((host, int(port)), authkey=b"not the key").close()
+            except AuthenticationError:
+                self.bad_key_refused += 1
+        threading.Thread(target=wrong_key, daemon=True).start()
+        return self.inner.launch(cell, args, env)
+
+    def describe(self, cell, handle):
+        return self.inner.describe(cell, handle)
+
+    def waiting(self, pending):
+        return ""
+
+    def close(self):
+        for s in self.socks:
+            s.close()
+
+
+def test_stray_connections_to_the_coordinator_neither_hang_the_start_nor_take_a_cell_slot():
+    launcher = _StrayDialers()
+    cfg = ElasticConfig(policy="colocated", cells=2, mode="emulated")
+    res = Coordinator(cfg, FAST, launcher=launcher).run()
+    _check_tito(res, FAST)
+    assert launcher.bad_key_refused == 2       # each wrong-key dialer was told no, not left waiting
+
+
+def test_a_silent_stray_does_not_keep_a_failed_start_from_giving_up():
+    """Agents that never dial plus a stranger holding a connection open: the start still fails at its
+    deadline with the reason (it used to hang here for ever, past elastic.start_timeout_s)."""
+    import socket
+    import threading
+
+    class SilentWithStray(_Silent):
+        def launch(self, cell, args, env):
+            host, port = args[args.index("--coordinator") + 1].rsplit(":", 1)
+            self.stray = socket.create_connection((host, int(port)))
+            return super().launch(cell, args, env)
+
+    launcher = SilentWithStray()
+    cfg = ElasticConfig(policy="colocated", cells=2, mode="emulated", start_timeout_s=1.0)
+    outcome = []
+
+    def run():
+        try:
+            Coordinator(cfg, FAST, launcher=launcher).run()
+        except RuntimeError as e:
+            outcome.append(str(e))
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    t.join(60)
+    launcher.stray.close()
+    assert not t.is_alive(), "the start hung"
+    assert outcome and "only 0 of 2 cells connected within 1 s" in outcome[0]
