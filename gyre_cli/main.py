@@ -77,13 +77,18 @@ def cmd_train(args) -> int:
     except (ConfigError, ValueError) as exc:
         print(f"gyre: config error: {exc}", file=sys.stderr)
         return 2
-    from flows.train import train
-
     from gyre_core.model import PolicyLoadError
     from gyre_core.run import CheckpointError
+    from gyre_ops.temporary_server import ServerStartError, prefect_api
 
     try:
-        summary = train(preset=args.preset, overrides=list(args.set or []), steps=args.steps)
+        with prefect_api():
+            from flows.train import train
+
+            summary = train(preset=args.preset, overrides=list(args.set or []), steps=args.steps)
+    except ServerStartError as exc:
+        print(f"gyre: {exc}", file=sys.stderr)
+        return 1
     except ConfigError as exc:
         print(f"gyre: config error: {exc}", file=sys.stderr)
         return 2
@@ -155,10 +160,16 @@ def cmd_evaluate(args) -> int:
     try:
         if not is_mlflow_uri(args.checkpoint):       # a wrong path fails before Prefect starts
             resolve_local(args.checkpoint, cfg)
-        from flows.evaluate import evaluate
+        from gyre_ops.temporary_server import ServerStartError, prefect_api
 
-        result = evaluate(checkpoint=args.checkpoint, preset=args.preset, overrides=list(args.set or []),
-                          episodes=args.episodes, label=args.label)
+        with prefect_api():
+            from flows.evaluate import evaluate
+
+            result = evaluate(checkpoint=args.checkpoint, preset=args.preset, overrides=list(args.set or []),
+                              episodes=args.episodes, label=args.label)
+    except ServerStartError as exc:
+        print(f"gyre evaluate: {exc}", file=sys.stderr)
+        return 1
     except ConfigError as exc:
         print(f"gyre evaluate: config error: {exc}", file=sys.stderr)
         return 2

@@ -156,7 +156,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="emulated: seconds a rolling-out cell pauses to load each published version")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--start-version", type=int, default=0, help="real: start from this published version")
-    ap.add_argument("--grad-store", help="real: HOST:PORT of the store the cells' gradient groups are built on")
+    ap.add_argument("--grad-store", help="real: the store the cells' gradient groups are built on (file:PATH or tcp:HOST:PORT)")
     ap.add_argument("--world", type=int, default=1, help="real, with --grad-store: the number of cells")
     ap.add_argument("--group-timeout", type=float, default=300.0, help="seconds to wait for the other cells")
     args = ap.parse_args(argv)

@@ -131,6 +131,7 @@ class CellConnections:
                 if p.poll() is None:
                     p.kill()
             self.launcher.close()
+            self._close_store()
             raise
         finally:
             server.close()
@@ -150,7 +151,7 @@ class CellConnections:
 
             wait_s = max(cfg.start_timeout_s, cfg.cell_timeout_s)
             self._store = host_store(cfg.coordinator_host, wait_s)
-            group_args = ["--grad-store", f"{host}:{self._store.port}", "--world", str(cfg.cells),
+            group_args = ["--grad-store", self._store.address, "--world", str(cfg.cells),
                           "--group-timeout", str(wait_s)]
         gpus = _gpu_slices(cfg) if real and self.launcher.name == "process" else None
         for i in range(cfg.cells):
@@ -300,6 +301,12 @@ class CellConnections:
                 except subprocess.TimeoutExpired:
                     link.proc.kill()
         self.launcher.close()
+        self._close_store()
+
+    def _close_store(self) -> None:
+        if self._store is not None:
+            self._store.close()
+            self._store = None
 
 
 def _gpu_slices(ecfg: ElasticConfig) -> list[str] | None:

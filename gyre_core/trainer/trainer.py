@@ -42,27 +42,32 @@ def ensure_tree_attention(model) -> None:
     enable_tree_attention(model)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def init_distributed() -> None:
-    """One-process group on loopback unless a launcher already set one up."""
+    """The process group DeepSpeed needs. Set up by a launcher (MASTER_ADDR in the environment): that one.
+    Otherwise one rank whose store lives in memory and whose gloo/NCCL sockets bind to loopback, so a
+    training process listens on nothing another machine can reach (torch's TCPStore, the default, listens
+    on every interface and checks nobody)."""
     os.environ.setdefault("DS_ACCELERATOR", "cpu" if not torch.cuda.is_available() else "cuda")
     import deepspeed
     import torch.distributed as dist
 
     if dist.is_available() and dist.is_initialized():
         return
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", str(_free_port()))
-    os.environ.setdefault("RANK", "0")
-    os.environ.setdefault("LOCAL_RANK", "0")
-    os.environ.setdefault("WORLD_SIZE", "1")
     backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if "MASTER_ADDR" not in os.environ and os.environ.get("WORLD_SIZE", "1") == "1":
+        lo = loopback_interface()
+        if lo is not None:
+            os.environ.setdefault("GLOO_SOCKET_IFNAME", lo)
+            os.environ.setdefault("NCCL_SOCKET_IFNAME", lo)
+        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1")
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
     deepspeed.init_distributed(dist_backend=backend, verbose=False)
+
+
+def loopback_interface() -> str | None:
+    """The loopback network interface's name ("lo" on Linux, "lo0" on macOS), if this host has one."""
+    names = {name for _, name in socket.if_nameindex()}
+    return next((n for n in ("lo", "lo0") if n in names), None)
 
 
 @contextlib.contextmanager

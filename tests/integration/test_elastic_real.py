@@ -8,6 +8,8 @@ completion markers hold what the step-by-step loop would leave, so evaluation re
 """
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -16,6 +18,7 @@ from gyre_core.config import load_config
 from gyre_core.model import load_policy
 from gyre_core.run import RunDir
 from gyre_core.trainer.publish import load_weights
+from tests.listeners import Listeners
 
 STEPS = 3          # burst 2 cannot start before version 1 exists (max_staleness 1)
 # A workload where every burst carries a learning signal, so each step's update has something to compare: the
@@ -97,8 +100,14 @@ def test_real_cells_train_with_exact_per_token_versions(tmp_path, channel):
         "eval.episodes=8", "eval.greedy_episodes=0", "eval.random_baseline=false"])
     run_dir = phases.prepare(cfg)
     phases.warm_start(run_dir)
-    summary = phases.elastic_rl(run_dir)
+    with Listeners(os.getpid()) as sockets:
+        summary = phases.elastic_rl(run_dir)
     run = RunDir.open(run_dir)
+
+    # every socket the run listened on (coordinator, cells, their gradient groups) was on loopback
+    assert sockets.exposed() == [], sockets.exposed()
+    programs = {prog for _, prog, _, _ in sockets.found}
+    assert any("gyre_core.elastic.agent" in p for p in programs), sockets.found   # the cells' were seen
 
     # the elastic phase left what the step loop leaves: a publish marker per version, a lake part per step
     assert run.latest_version() == STEPS
