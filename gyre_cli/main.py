@@ -202,7 +202,7 @@ def cmd_sql(args) -> int:
         root, options = args.lake, None
         if root is None:
             lake_cfg = load_config(args.preset).lake
-            root, options = lake_cfg.root, dict(lake_cfg.storage_options or {})
+            root, options = lake_cfg.root, lake_cfg.resolved_storage_options()
         if args.lake is not None and "://" not in args.lake and not os.path.isdir(args.lake):
             raise SqlError(f"no lake at {args.lake} (not a directory)")
         out = run_sql(root, query, run_id=args.run, fmt=args.format, storage_options=options,
@@ -230,7 +230,7 @@ def cmd_lake(args) -> int:
 
     try:
         lake_cfg = load_config(args.preset).lake
-        lake = Lake(args.lake, dict(lake_cfg.storage_options or {})) if args.lake else Lake.from_config(lake_cfg)
+        lake = Lake(args.lake, lake_cfg.resolved_storage_options()) if args.lake else Lake.from_config(lake_cfg)
         runs = [args.run] if args.run else lake.runs()
         if args.action == "compact":
             out = [compact(lake, r, target_mb=args.target_mb, include_latest=args.include_latest) for r in runs]

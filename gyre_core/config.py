@@ -32,6 +32,8 @@ class _Section(BaseModel):
 
 
 RUN_ID_CHARS = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
+ENV_REF = re.compile(r"\$\{env:([A-Za-z_][A-Za-z0-9_]*)\}")      # a value read from the environment
+SECRET_NAME = re.compile(r"key|secret|token|passw|credential", re.IGNORECASE)
 
 
 class RunConfig(_Section):
@@ -300,10 +302,46 @@ class LakeConfig(_Section):
     root: str = "data/lake"
     """Trajectory lake root: a local path or an fsspec URL such as s3://bucket/prefix."""
     storage_options: dict[str, Any] = Field(default_factory=dict)
-    """fsspec options for an object-store root, e.g. {client_kwargs: {endpoint_url: http://127.0.0.1:9000}}
-    (credentials come from the usual AWS_* environment variables)."""
+    """fsspec options for an object-store root, e.g. {client_kwargs: {endpoint_url: http://127.0.0.1:9000}}.
+    Credentials come from the usual AWS_* environment variables, or as references: {key: "${env:LAKE_KEY}",
+    secret: "${env:LAKE_SECRET}"} are read from the environment when the lake is opened. A literal secret
+    (an option named like key, secret, token, password or credential) is refused: the config is written to
+    the run's config.yaml and to MLflow."""
     payload_mb: float = Field(4.0, gt=0)
     """A call's new prompt ids larger than this are stored as an object beside the part; the row keeps its URI."""
+
+    @field_validator("storage_options")
+    @classmethod
+    def _no_literal_secrets(cls, options: dict[str, Any]) -> dict[str, Any]:
+        def walk(value: Any, where: str) -> None:
+            if isinstance(value, dict):
+                for k, v in value.items():
+                    walk(v, f"{where}.{k}")
+                    if SECRET_NAME.search(str(k)) and isinstance(v, str) and not ENV_REF.fullmatch(v):
+                        raise ValueError(f"lake.storage_options{where}.{k} holds a literal secret, which would be "
+                                         f"written to config.yaml and MLflow: write \"${{env:NAME}}\" and set NAME "
+                                         "in the environment (or use the AWS_* variables)")
+            elif isinstance(value, list):
+                for i, v in enumerate(value):
+                    walk(v, f"{where}[{i}]")
+        walk(options, "")
+        return options
+
+    def resolved_storage_options(self) -> dict[str, Any]:
+        """`storage_options` with every "${env:NAME}" replaced by the environment's NAME (an error names
+        a variable that is not set)."""
+        def resolve(value: Any) -> Any:
+            if isinstance(value, dict):
+                return {k: resolve(v) for k, v in value.items()}
+            if isinstance(value, list):
+                return [resolve(v) for v in value]
+            if isinstance(value, str) and (m := ENV_REF.fullmatch(value)):
+                if m.group(1) not in os.environ:
+                    raise ConfigError(f"lake.storage_options: {value} names {m.group(1)}, which is not set "
+                                      "in the environment")
+                return os.environ[m.group(1)]
+            return value
+        return resolve(self.storage_options)
 
 
 class TrackingConfig(_Section):

@@ -104,7 +104,7 @@ class Lake:
     @classmethod
     def from_config(cls, lake_cfg) -> "Lake":
         """The lake a run's `lake` config section names."""
-        return cls(lake_cfg.root, dict(lake_cfg.storage_options or {}),
+        return cls(lake_cfg.root, lake_cfg.resolved_storage_options(),
                    payload_bytes=int(lake_cfg.payload_mb * (1 << 20)))
 
     def __repr__(self) -> str:

@@ -129,7 +129,7 @@ def _kept_as(run: RunDir, step: int) -> dict[str, str]:
     from ..lake.dedup import dedup_groups
     from ..lake.sql import connect
 
-    con = connect(run.cfg.lake.root, run_id=run.run_id, storage_options=run.cfg.lake.storage_options or None)
+    con = connect(run.cfg.lake.root, run_id=run.run_id, storage_options=run.cfg.lake.resolved_storage_options() or None)
     try:
         groups = dedup_groups(con, step).to_pylist()
     finally:

@@ -160,3 +160,32 @@ def test_entropy_forks_need_an_engine_that_reports_entropy():
 def test_real_presets_serve_a_pretrained_model_on_vllm():
     cfg = load_config("real-smoke")
     assert cfg.engine.kind == "vllm" and cfg.model.fetch == "smollm2-135m-instruct" and cfg.rl.tis_cap == 2.0
+
+
+def test_lake_secrets_are_environment_references_never_literals(tmp_path, monkeypatch):
+    """A literal credential in lake.storage_options is refused (it would land in config.yaml and MLflow);
+    "${env:NAME}" is stored as written and read from the environment when the lake is opened."""
+    from gyre_core.run import RunDir
+    from gyre_core.tracking import flatten
+
+    with pytest.raises(ConfigError, match=r"lake\.storage_options\.client_kwargs\.aws_secret_access_key holds a "
+                                          r"literal secret"):
+        load_config("smoke", ["lake.storage_options={client_kwargs: {aws_secret_access_key: hunter2}}"])
+    with pytest.raises(ConfigError, match=r"lake\.storage_options\.secret holds a literal secret"):
+        load_config("smoke", ["lake.storage_options={secret: hunter2}"])
+    refs = {"key": "${env:GYRE_TEST_KEY}", "secret": "${env:GYRE_TEST_SECRET}", "anon": False,
+            "client_kwargs": {"endpoint_url": "http://127.0.0.1:9000"}}
+    cfg = load_config("smoke", [f"run.out_root={tmp_path}", f"lake.storage_options={refs}"])
+    monkeypatch.delenv("GYRE_TEST_SECRET", raising=False)
+    monkeypatch.setenv("GYRE_TEST_KEY", "AKIA-test")
+    with pytest.raises(ConfigError, match=r"names GYRE_TEST_SECRET, which is not set"):
+        cfg.lake.resolved_storage_options()
+    monkeypatch.setenv("GYRE_TEST_SECRET", "hunter2")
+    assert cfg.lake.resolved_storage_options() == {
+        "key": "AKIA-test", "secret": "hunter2", "anon": False,
+        "client_kwargs": {"endpoint_url": "http://127.0.0.1:9000"}}
+    run = RunDir.create(cfg)
+    written = (run.path / "config.yaml").read_text()
+    params = flatten(cfg.model_dump(mode="json"))
+    assert "hunter2" not in written and "hunter2" not in str(params)
+    assert "${env:GYRE_TEST_SECRET}" in written and params["lake.storage_options.secret"] == "${env:GYRE_TEST_SECRET}"
