@@ -66,14 +66,9 @@ def cmd_train(args) -> int:
     overrides = list(args.set or []) + ([f"rl.steps={args.steps}"] if args.steps is not None else [])
     try:
         cfg = load_config(args.preset, overrides)
-        from gyre_core.envs import configured_env
-        from gyre_core.lake import Lake
-        from gyre_core.run import RunDir
+        from gyre_core.phases.prepare import preflight
 
-        # what would stop the run at its first task, refused here in one line (before Prefect starts)
-        configured_env(cfg.env)
-        RunDir.check_reusable(cfg)
-        Lake.from_config(cfg.lake).check_writable()
+        preflight(cfg)     # what would stop the run at its first task, in one line (before Prefect starts)
     except (ConfigError, ValueError) as exc:
         print(f"gyre: config error: {exc}", file=sys.stderr)
         return 2

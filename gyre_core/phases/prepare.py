@@ -8,18 +8,36 @@ from ..config import ConfigError, GyreConfig, apply_threads
 from ..run import DEMOS_PART, STEP_PART_PREFIX, CheckpointError, RunDir, ckpt_tag, step_marker, step_part
 
 
+def preflight(cfg: GyreConfig):
+    """What would stop the run at its first task, checked in a moment and without writing anything: the
+    environment loads with its kwargs, a run of this name holds the same config, the lake takes writes, an
+    elastic fleet fits this host. `gyre train` calls it before Prefect starts; `prepare` again (a run
+    started from a deployment). Raises `ConfigError` naming the field; returns (env, lake)."""
+    from ..envs import configured_env
+    from ..lake import Lake
+
+    env = configured_env(cfg.env)
+    RunDir.check_reusable(cfg)
+    if cfg.elastic.enabled:
+        from ..elastic.connections import check_fleet
+
+        check_fleet(cfg.elastic)
+    lake = Lake.from_config(cfg.lake)
+    lake.check_writable()
+    return env, lake
+
+
 def prepare(cfg: GyreConfig) -> str:
     """Create the run directory and its initial policy.
 
     Everything that would stop a run later is checked here, before any rollout: the lake root, the
     environment target, `model.path`, and on resume every checkpoint the run will read.
     """
-    from ..envs import configured_env, supports
-    from ..lake import Lake
+    from ..envs import supports
     from ..model import PolicyLoadError, build_tiny_model, load_policy, save_policy, train_tokenizer
 
     apply_threads(cfg)
-    env = configured_env(cfg.env)
+    env, lake = preflight(cfg)
     model = tok = None
     if cfg.model.path:
         fetch_if_missing(cfg)
@@ -27,8 +45,6 @@ def prepare(cfg: GyreConfig) -> str:
             model, tok = load_policy(cfg.model.path)
         except PolicyLoadError as exc:
             raise ConfigError(f"model.path: {exc}") from None
-    lake = Lake.from_config(cfg.lake)
-    lake.check_writable()
     run = RunDir.create(cfg)
     if cfg.run.replay:
         check_replayable(lake, cfg)

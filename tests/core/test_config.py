@@ -150,6 +150,18 @@ def test_train_refuses_an_unloadable_env_and_a_reused_run_name_in_one_line_befor
         f"(--set run.name=NAME) or delete {out / 'smoke-s0'}"]
     assert not lake.exists()
 
+    # a real fleet larger than this host: refused before the warm start (it was refused after it)
+    import os
+
+    cores = os.cpu_count()
+    proc = _gyre(*common, "--set", "run.name=fleet", "--set", "elastic.enabled=true", "--set", "elastic.mode=real",
+                 "--set", f"elastic.cells={cores + 1}", cwd=tmp_path)
+    assert proc.returncode == 2
+    assert [l for l in proc.stderr.splitlines() if l.strip()] == [
+        f"gyre: config error: elastic.cells: {cores + 1} real cells × 1 device(s) each need {cores + 1} CPU cores, "
+        f"but {cores} are available; use fewer cells, or elastic.mode=emulated"]
+    assert not (out / "fleet").exists() and not lake.exists()
+
 
 def test_entropy_forks_need_an_engine_that_reports_entropy():
     with pytest.raises(ConfigError, match=r"rollout.fork_at: entropy-chosen forks .* engine.kind=local"):
