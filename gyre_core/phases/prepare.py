@@ -4,8 +4,13 @@
 """
 from __future__ import annotations
 
+import re
+import sys
+import time
+
 from ..config import ConfigError, GyreConfig, apply_threads
-from ..run import DEMOS_PART, STEP_PART_PREFIX, CheckpointError, RunDir, ckpt_tag, step_marker, step_part
+from ..run import (DEMOS_PART, STEP_PART_PREFIX, CheckpointError, RunDir, ckpt_tag, eval_part, process_part,
+                   publish_marker, score_part, step_marker, step_part)
 
 
 def preflight(cfg: GyreConfig):
@@ -50,10 +55,9 @@ def prepare(cfg: GyreConfig) -> str:
         check_replayable(lake, cfg)
     left = lake.cleanup(run.run_id)            # what a crashed attempt of this run left in the lake
     if any(left.values()):
-        import sys
-
         print(f"gyre lake: cleaned up after an earlier attempt of run {run.run_id}: {left}", file=sys.stderr)
     if run.done("prepare"):
+        reconcile_markers(run, lake)
         check_resumable(run)
         return str(run.path)
     if model is None:
@@ -99,6 +103,51 @@ def check_replayable(lake, cfg: GyreConfig) -> None:
         have = [p for p in parts if p.startswith(STEP_PART_PREFIX) or p == DEMOS_PART]
         raise ConfigError(f"run.replay: run '{src}' lacks {', '.join(([DEMOS_PART] if DEMOS_PART not in parts else []) + missing)} "
                           f"for rl.steps={cfg.rl.steps} (it has {', '.join(have) or 'nothing'}); lower rl.steps")
+
+
+def promised_parts(run: RunDir) -> dict[str, str]:
+    """marker -> the lake part it says was written, for every completion marker of the run that names one."""
+    out = {}
+    for f in sorted((run.path / "markers").glob("*.json")):
+        name = f.stem
+        if m := re.fullmatch(r"(rollout|score|process)_(\d+)", name):
+            out[name] = {"rollout": step_part, "score": score_part, "process": process_part}[m[1]](int(m[2]))
+        elif name.startswith("eval_"):
+            out[name] = eval_part(name[len("eval_"):])
+        elif name == "warm_start":
+            out[name] = DEMOS_PART
+    if run.done("elastic") is not None:                # the elastic phase writes a part per step it ran
+        out.update({f"elastic step {s}": step_part(s) for s in range(run.cfg.rl.steps)
+                    if run.done(publish_marker(s + 1)) is not None})
+    return out
+
+
+def reconcile_markers(run: RunDir, lake) -> list[str]:
+    """On resume, the completion markers and the lake must agree: a marker whose lake part is not committed
+    (its manifest was damaged or lost and the part set aside by `Lake.cleanup`, or the part deleted) is
+    withdrawn — moved to `markers/withdrawn/`, never deleted — so that its phase runs again and writes the
+    part anew (rollout, score, process, an evaluation: from the same policy version and seeds). What cannot
+    be redone without changing the policy (the warm start's demonstrations, an elastic step) is said, and
+    the run goes on: the set-aside files are in the lake's `_quarantine/`. Returns what was said."""
+    committed = set(lake.parts(run.run_id))
+    said = []
+    stamp = time.strftime("%Y%m%dT%H%M%S")
+    for marker, part in promised_parts(run).items():
+        if part in committed:
+            continue
+        if marker == "warm_start" or marker.startswith("elastic step"):
+            said.append(f"gyre: run {run.run_id}: lake part {part} (of {marker.replace('_', ' ')}) is missing; it "
+                        "cannot be rewritten without training again, so the run goes on without it (what was "
+                        "set aside is under the lake's _quarantine/)")
+        else:
+            away = run.path / "markers" / "withdrawn" / f"{marker}-{stamp}.json"
+            away.parent.mkdir(exist_ok=True)
+            run.marker(marker).replace(away)
+            said.append(f"gyre: run {run.run_id}: lake part {part} is missing though {marker} was done; "
+                        f"that phase runs again (its marker moved to {away.relative_to(run.path)})")
+    for line in said:
+        print(line, file=sys.stderr)
+    return said
 
 
 def check_resumable(run: RunDir) -> None:
