@@ -23,6 +23,7 @@
     gyre bench gpu [--json]           (where torch sees a GPU: the GPU path against CPU references)
     gyre bench proxy [--json] [--quick]   (proxy overhead, 256 executions at once, fidelity, a switch mid-stream)
     gyre bench coding [--json] [--quick]  (task yield, expert and random, hostile commands, executions per minute)
+    gyre bench faults [--json] [--quick] [--table]   (the fault and bad-input tests: what was tried, what held)
     gyre sim [--profile laptop|paper-122b|paper-2.4t] [--set k=8 ...] [--policy all] [--async-split best] [--json]
     gyre presets
 
@@ -31,6 +32,7 @@ Config errors print one line naming the field and exit with code 2, before anyth
 from __future__ import annotations
 
 import argparse
+import errno
 import json
 import os
 import sys
@@ -93,6 +95,13 @@ def cmd_train(args) -> int:
     except KeyboardInterrupt:
         print(f"gyre: interrupted; run the same command again to resume run '{cfg.run_id()}'", file=sys.stderr)
         return 130
+    except OSError as exc:
+        if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
+            raise
+        where = f" writing {exc.filename}" if exc.filename else ""
+        print(f"gyre: error: {exc.strerror or 'no space left'}{where}; free some space and run the same command "
+              f"again to resume run '{cfg.run_id()}'", file=sys.stderr)
+        return 1
     from gyre_core.report import render_summary
 
     render_summary(summary)
@@ -372,6 +381,14 @@ def cmd_proxy(args) -> int:
 def cmd_bench(args) -> int:
     import contextlib
 
+    if args.table:
+        if args.what != "faults":
+            print("gyre bench: --table is for `gyre bench faults`", file=sys.stderr)
+            return 2
+        from bench.faults import fault_rows, render_table
+
+        print(render_table(fault_rows()))
+        return 0
     try:
         with contextlib.redirect_stdout(sys.stderr):   # libraries' chatter must not break the JSON on stdout
             result = _run_bench(args)
@@ -432,6 +449,10 @@ def _run_bench(args):
         from bench.coding import bench_coding
 
         result = bench_coding(quick=args.quick)
+    elif args.what == "faults":
+        from bench.faults import bench_faults
+
+        result = bench_faults(quick=args.quick)
     elif args.what == "gpu":
         import torch
 
@@ -585,8 +606,9 @@ def main(argv: list[str] | None = None) -> int:
     wk.set_defaults(fn=cmd_worker)
     b = sub.add_parser("bench", help="benchmarks that print figures")
     b.add_argument("what", choices=("engine", "processor", "elastic", "lake", "prefect", "cells", "channel", "gpu",
-                                    "proxy", "coding"))
+                                    "proxy", "coding", "faults"))
     b.add_argument("--json", action="store_true", help="one line of JSON")
+    b.add_argument("--table", action="store_true", help="faults: print the fault table (docs/faults.md) instead")
     b.add_argument("--quick", action="store_true", help="fewer repetitions and a smaller workload")
     b.set_defaults(fn=cmd_bench)
     tk = sub.add_parser("tasks", help="coding tasks: build them from a package with a test suite")

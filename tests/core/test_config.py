@@ -47,6 +47,7 @@ def test_dotted_overrides_parse_yaml_values():
     ("run.name=a/b", "run.name: 'a/b' is not a run id"),
     ("run.replay=.hidden", "run.replay: '.hidden' is not a run id"),
 ])
+@pytest.mark.bad_input("config values")
 def test_bad_values_name_the_field(override, message):
     with pytest.raises(ConfigError) as err:
         load_config("smoke", override.split())
@@ -54,6 +55,7 @@ def test_bad_values_name_the_field(override, message):
     assert "\n" not in str(err.value)
 
 
+@pytest.mark.bad_input("a preset given as a path")
 def test_a_preset_is_a_name_never_a_path(tmp_path):
     (tmp_path / "x.yaml").write_text("run: {seed: 3}\n")
     for name in (f"../../{tmp_path.name}/x", str(tmp_path / "x"), "smoke/../smoke"):
@@ -61,6 +63,7 @@ def test_a_preset_is_a_name_never_a_path(tmp_path):
             load_config(name)
 
 
+@pytest.mark.bad_input("an unknown preset")
 def test_unknown_preset_lists_allowed():
     with pytest.raises(ConfigError, match=r"preset: unknown preset 'nope' \(allowed: coding-quick, coding-real, coding-smoke, default, elastic-quick, long, proxy-smoke, quick, real-quick, real-smoke, smoke\)"):
         load_config("nope")
@@ -78,6 +81,7 @@ def test_every_field_has_a_docstring():
     assert missing == []
 
 
+@pytest.mark.bad_input("config errors at the CLI")
 def test_cli_config_error_exits_2_and_writes_nothing(tmp_path):
     out = tmp_path / "runs"
     proc = subprocess.run([sys.executable, "-m", "gyre_cli", "train", "--preset", "smoke", "--set", "rl.lr=0",
@@ -129,6 +133,7 @@ def test_env_check_finds_a_users_module_in_the_working_directory(tmp_path):
     assert bad.stderr.strip() == "gyre: env target 'userenv:NoSuchEnv': module 'userenv' has no attribute 'NoSuchEnv'"
 
 
+@pytest.mark.bad_input("an unloadable env, a reused run name, an oversized fleet")
 def test_train_refuses_an_unloadable_env_and_a_reused_run_name_in_one_line_before_any_work(tmp_path):
     """Both would stop the run at its first task; the CLI says so before Prefect starts or a file is written."""
     out, lake = tmp_path / "runs", tmp_path / "lake"
@@ -174,6 +179,7 @@ def test_real_presets_serve_a_pretrained_model_on_vllm():
     assert cfg.engine.kind == "vllm" and cfg.model.fetch == "smollm2-135m-instruct" and cfg.rl.tis_cap == 2.0
 
 
+@pytest.mark.bad_input("literal secrets in lake.storage_options")
 def test_lake_secrets_are_environment_references_never_literals(tmp_path, monkeypatch):
     """A literal credential in lake.storage_options is refused (it would land in config.yaml and MLflow);
     "${env:NAME}" is stored as written and read from the environment when the lake is opened."""

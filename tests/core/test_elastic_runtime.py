@@ -156,6 +156,7 @@ def test_async_takes_its_training_cell_out_before_any_execution_binds():
     assert [w for _, w in res.load[:2]] == [FAST.executions_per_step, 2 * FAST.executions_per_step]
 
 
+@pytest.mark.fault("a rollout cell dies (SIGKILL)", "its calls continue on the other cells token for token; the run goes on with K − 1")
 def test_a_lost_cell_is_detected_and_the_run_continues():
     slow = Workload(**{**FAST.to_dict(), "steps": 2, "call_s": 0.05})
     cfg = ElasticConfig(policy="async", cells=3, async_train_cells=1, mode="emulated", capacity=6)
@@ -179,6 +180,7 @@ def test_more_real_cells_than_devices_is_refused():
     check_fleet(ElasticConfig(policy="elastic", cells=8, devices=2, mode="emulated"))   # emulated: no devices
 
 
+@pytest.mark.fault("the core (training cell 0) dies", "a satellite becomes the core and the step's update is redone")
 def test_losing_the_core_promotes_a_satellite_and_redoes_the_step():
     slow = Workload(**{**FAST.to_dict(), "steps": 2, "call_s": 0.05, "train_s_per_call": 0.01})
     cfg = ElasticConfig(policy="async", cells=3, async_train_cells=1, mode="emulated", capacity=6)
@@ -222,6 +224,7 @@ def test_an_aborted_router_releases_every_waiting_execution():
     assert len(sent) == 1             # nothing more was sent to the cell
 
 
+@pytest.mark.fault("a cell hangs in one piece of work", "declared lost after elastic.stuck_timeout_s and killed; the run goes on")
 def test_a_cell_busy_too_long_is_lost_although_it_still_beats():
     """Micro-steps of ~3 s against elastic.stuck_timeout_s = 1: the agents' heartbeats keep coming (their
     own thread), but each beat says how long the main loop has been busy, and the coordinator gives up."""
@@ -464,6 +467,7 @@ class _StrayDialers:
             s.close()
 
 
+@pytest.mark.fault("stray connections to the coordinator's port", "dropped; the start neither hangs nor gives a cell's slot away")
 def test_stray_connections_to_the_coordinator_neither_hang_the_start_nor_take_a_cell_slot():
     launcher = _StrayDialers()
     cfg = ElasticConfig(policy="colocated", cells=2, mode="emulated")
@@ -472,6 +476,7 @@ def test_stray_connections_to_the_coordinator_neither_hang_the_start_nor_take_a_
     assert launcher.bad_key_refused == 2       # each wrong-key dialer was told no, not left waiting
 
 
+@pytest.mark.fault("stray connections to the coordinator's port", "a failed start still gives up at elastic.start_timeout_s")
 def test_a_silent_stray_does_not_keep_a_failed_start_from_giving_up():
     """Agents that never dial plus a stranger holding a connection open: the start still fails at its
     deadline with the reason (it used to hang here for ever, past elastic.start_timeout_s)."""

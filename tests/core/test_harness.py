@@ -115,6 +115,7 @@ def test_an_imperfect_expert_takes_the_random_action_its_seed_and_turn_draw(tok)
     assert any(a != "forward" for acts in taken for a in acts)    # the noise did act
 
 
+@pytest.mark.fault("an environment that raises", "that execution fails with its reason; the others go on")
 def test_env_exception_fails_one_execution_and_the_rest_go_on(tok):
     class Exploding(ScriptedEnv):
         def step(self, action):
@@ -162,6 +163,7 @@ def test_a_first_context_over_budget_stops_with_a_token_limit(tok):
     assert recs[0].status == "token_limit" and recs[0].turns == 0 and recs[0].partial == 0.0
 
 
+@pytest.mark.fault("an evaluator that raises", "retried, then the execution is excluded with its reason")
 def test_a_failing_evaluator_is_retried_then_the_execution_excluded_with_its_reason(tok):
     class Flaky(ScriptedEnv):
         failures = 0

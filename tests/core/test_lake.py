@@ -292,3 +292,97 @@ def test_s3_write_read_sql(s3_options):
         with pytest.raises(SqlRefused):
             run_sql(root, refused, storage_options=s3_options)
     assert lake.read_records("run1") == recs
+
+
+class _FlakyS3:
+    """A proxy in front of the S3 server that answers every `every`-th request with a 503 ("slow down",
+    as S3 under load does) and holds every `every`-th + 1 back for `stall_s` seconds before forwarding it
+    (longer than the client's read timeout): the transient errors and timeouts S3 clients must retry.
+    At most `failures` of each, spread over the requests, so that the retries' backoff stays short."""
+
+    def __init__(self, target: str, every: int = 3, stall_s: float = 1.0, failures: int = 6) -> None:
+        import http.client
+        import itertools
+        import threading
+        import time
+        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+        from urllib.parse import urlsplit
+
+        host, port = urlsplit(target).hostname, urlsplit(target).port
+        counter, lock = itertools.count(1), threading.Lock()
+        self.failed = self.stalled = 0
+        outer = self
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *a):
+                pass
+
+            def _forward(self):
+                body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+                with lock:
+                    n = next(counter)
+                if n % every == 0 and outer.failed < failures:
+                    outer.failed += 1
+                    msg = b"<Error><Code>SlowDown</Code><Message>injected</Message></Error>"
+                    self.send_response(503)
+                    self.send_header("Content-Length", str(len(msg)))
+                    self.end_headers()
+                    self.wfile.write(msg)
+                    return
+                if n % every == 1 and n > 1 and outer.stalled < failures:
+                    outer.stalled += 1
+                    time.sleep(stall_s)
+                conn = http.client.HTTPConnection(host, port, timeout=30)
+                conn.request(self.command, self.path, body=body or None,
+                             headers={k: v for k, v in self.headers.items() if k.lower() != "connection"})
+                resp = conn.getresponse()
+                data = resp.read()
+                self.send_response(resp.status)
+                for k, v in resp.getheaders():   # (a HEAD keeps its Content-Length: the object's size)
+                    if k.lower() not in ("transfer-encoding", "connection") and (
+                            k.lower() != "content-length" or self.command == "HEAD"):
+                        self.send_header(k, v)
+                if self.command != "HEAD":
+                    self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+                conn.close()
+
+            do_GET = do_PUT = do_POST = do_HEAD = do_DELETE = _forward
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+
+
+@pytest.mark.fault("S3 errors: 503s and stalled requests", "retried by the client; the part is written once, "
+                   "read back whole, and queries answer")
+def test_an_s3_lake_through_503s_and_timeouts_keeps_every_row(s3_options):
+    import s3fs
+
+    flaky = _FlakyS3(s3_options["client_kwargs"]["endpoint_url"])
+    try:
+        options = {**s3_options, "client_kwargs": {"endpoint_url": flaky.url},
+                   "config_kwargs": {"read_timeout": 0.5, "connect_timeout": 2,
+                                     "retries": {"max_attempts": 10, "mode": "standard"}}}
+        s3fs.S3FileSystem(**s3_options).makedirs("gyre-flaky", exist_ok=True)
+        root = "s3://gyre-flaky/lake"
+        lake = Lake(root, storage_options=options)
+        lake.check_writable()
+        recs = _records()
+        lake.write_part("run1", "step=0", _tables(recs))
+        assert lake.parts("run1") == ["step=0"]
+        assert lake.read_records("run1") == recs
+        q = "SELECT execution_id, count(*) AS n FROM tokens GROUP BY 1 ORDER BY 1"
+        assert run_sql(root, q, fmt="csv", storage_options=options) == "execution_id,n\ne1,9\ne2,4\n"
+        assert flaky.failed > 0 and flaky.stalled > 0          # the faults were met, and retried past
+    finally:
+        flaky.close()
+    # what landed is exactly one committed part, read straight from the server
+    direct = Lake(root, storage_options=s3_options)
+    assert direct.parts("run1") == ["step=0"] and direct.read_records("run1") == recs

@@ -137,6 +137,7 @@ def test_large_prompts_are_offloaded_and_round_trip(where):
 
 
 # ---- bad files are quarantined, the rest still answers ----------------------------------------------
+@pytest.mark.fault("a truncated lake file", "set aside in _quarantine/ and named; queries answer")
 def test_truncated_file_is_quarantined(where, capfd):
     lake = _lake(where)
     lake.write_part("run1", "step=3", _tables(_records()))
@@ -156,6 +157,7 @@ def test_truncated_file_is_quarantined(where, capfd):
     assert lake.read("executions").num_rows == 6 and lake.read("calls").num_rows == 6
 
 
+@pytest.mark.fault("a corrupt or mistyped lake file", "set aside and named; queries answer")
 def test_corrupt_and_mismatched_files_are_named(where, capfd):
     lake = _lake(where)
     lake.write_part("run1", "step=3", _tables(_records()))
@@ -198,6 +200,7 @@ def test_cleanup_removes_leftovers_only(where):
     assert lake.fs.cat_file(aside) == b"never committed"
 
 
+@pytest.mark.fault("a damaged or lost lake manifest", "set aside and named, never a reason to delete committed files")
 def test_a_damaged_or_lost_manifest_is_set_aside_and_named_never_a_reason_to_delete(where, capfd):
     """A truncated manifest made every query, `gyre lake check` and resume fail with a JSON error naming no
     file; a deleted one made resume's clean-up delete the part's intact Parquet files."""
@@ -302,6 +305,7 @@ def test_parts_whose_rows_carry_another_step_are_left_alone(tmp_path):
 
 
 # ---- roots refused before a run starts ----------------------------------------------------------------
+@pytest.mark.bad_input("a lake root that is not there")
 def test_missing_roots_are_refused(tmp_path, s3_server):
     with pytest.raises(ValueError, match="neither it nor its parent directory"):
         Lake(str(tmp_path / "no" / "such" / "lake")).check_writable()

@@ -218,6 +218,7 @@ def test_completions_takes_text_or_ids_and_reuses_served_ids(tok):
     assert third.prompt_ids == ids and third.context_index == 1
 
 
+@pytest.mark.bad_input("bad proxy requests")
 def test_refusals_are_openai_errors_and_limits_end_the_execution(tok):
     gate = threading.Event()
     eng = ScriptedEngine(tok, ["ok"] * 8, gate=gate)

@@ -42,6 +42,7 @@ def test_an_environment_exception_fails_one_execution_with_its_reason(finished_r
     assert con.execute("SELECT count(DISTINCT execution_id) FROM train_tokens").fetchall() == [(G,)]
 
 
+@pytest.mark.bad_input("a missing model path")
 def test_missing_model_path_is_refused_before_anything_is_written(tmp_path):
     cfg = _cfg(tmp_path, f"model.path={tmp_path}/no-such-model")
     with pytest.raises(ConfigError, match=r"^model.path: .*no-such-model"):
@@ -49,12 +50,14 @@ def test_missing_model_path_is_refused_before_anything_is_written(tmp_path):
     assert not (tmp_path / "runs").exists()
 
 
+@pytest.mark.bad_input("an unknown environment target")
 def test_unknown_environment_target_is_a_config_error(tmp_path):
     cfg = _cfg(tmp_path, "env.target=gyre_core.envs.scripted:NoSuchEnv")
     with pytest.raises(ConfigError, match=r"^env.target: .*NoSuchEnv"):
         phases.prepare(cfg)
 
 
+@pytest.mark.fault("a corrupt checkpoint", "the resume stops before any rollout, naming the file")
 def test_corrupt_checkpoint_stops_a_resume_before_any_rollout(finished_run):
     tmp, cfg, run_dir = finished_run
     run = tmp / "runs" / cfg.run_id()
@@ -111,6 +114,7 @@ def test_demonstrations_longer_than_a_call_are_said_out_loud(tmp_path, capfd):
             f"(up to {max(lengths)} tokens)") in capfd.readouterr().err
 
 
+@pytest.mark.fault("a lake part lost after its step finished", "the marker is withdrawn and the phase redone: the same data again")
 def test_a_resume_redoes_the_phases_whose_lake_parts_were_set_aside_and_writes_the_same_data(tmp_path, capfd):
     """A step's rollout part loses its manifest (truncated) and its score part's manifest is deleted, after the
     step trained: the resume sets both parts aside (never deletes them), withdraws the rollout and score

@@ -336,6 +336,7 @@ def test_cli_list_queries(capsys):
         assert line.split(None, 1)[1] == about
 
 
+@pytest.mark.bad_input("bad `gyre sql` arguments")
 def test_cli_errors_are_one_line(lake_root, capsys, tmp_path):
     assert main(["sql", "--query", "nope", "--lake", lake_root]) == 2
     err = capsys.readouterr().err
@@ -397,6 +398,7 @@ def outside(tmp_path_factory):
     ("LOAD '{out}/evil.duckdb_extension'", "disabled"),
     ("INSTALL '{out}/evil.duckdb_extension'", "disabled"),
 ])
+@pytest.mark.bad_input("SQL writes, escapes and outside reads")
 def test_more_refusals(lake_root, outside, query, says):
     with pytest.raises(SqlRefused) as info:
         run_sql(lake_root, query.format(out=outside))
@@ -411,6 +413,7 @@ def test_a_failed_insert_into_nothing_is_not_a_refusal(lake_root):
     assert not isinstance(info.value, SqlRefused)
 
 
+@pytest.mark.bad_input("a run or lake that is not there")
 def test_a_run_or_lake_that_is_not_there_is_an_error_not_zero_rows(lake_root, tmp_path, capsys):
     with pytest.raises(SqlError, match=r"no run 'r9' in the lake at .* \(runs: r1, r2\)"):
         run_sql(lake_root, "SELECT count(*) FROM executions", run_id="r9")
@@ -418,6 +421,7 @@ def test_a_run_or_lake_that_is_not_there_is_an_error_not_zero_rows(lake_root, tm
     assert capsys.readouterr().err == f"gyre sql: no lake at {tmp_path / 'nowhere'} (not a directory)\n"
 
 
+@pytest.mark.fault("a runaway `gyre sql` query", "stopped at --timeout; a huge result prints its first --max-rows")
 def test_a_long_query_stops_at_its_timeout_and_a_big_result_prints_its_first_rows(lake_root, capsys):
     import time
 
@@ -436,11 +440,13 @@ def test_a_long_query_stops_at_its_timeout_and_a_big_result_prints_its_first_row
     assert got.out == "i\n0\n1\n2\n3\n4\n" and "showing the first 5 rows of more" in got.err
 
 
+@pytest.mark.fault("a `gyre sql` query past its memory", "fails cleanly at --memory-limit")
 def test_a_query_past_its_memory_limit_fails_cleanly(lake_root):
     with pytest.raises(SqlError, match=r"(?i)out of memory|memory limit"):
         run_sql(lake_root, "SELECT list(range) FROM range(50000000)", memory_limit="64MB")
 
 
+@pytest.mark.fault("Ctrl-C during a `gyre sql` query", "the query stops, rc 130")
 def test_ctrl_c_stops_a_running_query(lake_root, monkeypatch):
     """The query runs on a thread; a KeyboardInterrupt in the waiting one interrupts DuckDB and propagates."""
     import threading

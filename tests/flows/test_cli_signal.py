@@ -22,6 +22,7 @@ def _refused(port: int) -> bool:
     return False
 
 
+@pytest.mark.fault("Ctrl-C (SIGINT to the group), SIGTERM or SIGKILL of `gyre train`", "rc 130 and the resume hint (SIGINT, SIGTERM); no temporary Prefect server outlives the command")
 @pytest.mark.parametrize("how", ["SIGINT to the group", "SIGTERM", "SIGKILL"])
 def test_a_stopped_run_takes_its_temporary_prefect_server_with_it(tmp_path, how):
     env = dict(os.environ, PREFECT_HOME=str(tmp_path / "prefect"))

@@ -178,6 +178,7 @@ def test_real_cells_train_with_exact_per_token_versions(tmp_path, channel):
     assert summary["phase_s"]["elastic"] > 0
 
 
+@pytest.mark.fault("a training cell dies holding its gradient", "the update falls back to arrays relayed by the coordinator; versions stay exact")
 def test_a_satellite_lost_holding_its_gradient_falls_back_to_arrays(tmp_path, monkeypatch):
     """Collective channel, colocated (both cells train step 0): the satellite is SIGKILLed right after its
     first micro-step counted, while its gradient is still held in its process. The run goes on with the
@@ -215,6 +216,7 @@ def test_a_satellite_lost_holding_its_gradient_falls_back_to_arrays(tmp_path, mo
     _assert_reference_update(cfg, run, phases.run_objects.read_records(run, "step=0"), v0, load_weights(run.weights_uri(1)))
 
 
+@pytest.mark.fault("the coordinator (the elastic phase) crashes", "a rerun resumes at the newest published version")
 def test_a_crashed_elastic_phase_resumes_at_the_newest_published_version(tmp_path, monkeypatch):
     """The coordinator dies right after version 2 is published (step 1 landed): rerunning keeps steps 0–1
     as they are and runs only step 2, on cells that start from v2's weights (checked token by token). With a

@@ -169,6 +169,7 @@ def test_elastic_cells_run_as_flow_runs_of_the_cell_agent_deployment(stack):
                        ).fetchall() == [(0, 8), (1, 8)]
 
 
+@pytest.mark.fault("SIGKILL of a Prefect worker mid-run", "the flow run is marked Crashed; a retry resumes it to the same weights")
 def test_a_killed_run_is_marked_crashed_and_a_retry_resumes_it_exactly(stack):
     spec, state, tmp = stack
     from prefect.deployments import run_deployment
