@@ -171,6 +171,12 @@ class RunDir:
 
         return version_uri(self.weights_root, version)
 
+    def vocab_size(self) -> int | None:
+        """Rows of the policy's embedding (its config.json): every token id a record holds must be below it.
+        None before `prepare` saved the policy."""
+        path = self.policy0 / "config.json"
+        return int(json.loads(path.read_text())["vocab_size"]) if path.exists() else None
+
     def batch_path(self, step: int) -> Path:
         return self.path / "batches" / f"step-{step:04d}.pt"
 

@@ -254,7 +254,8 @@ class HarnessWork:
                 report(rec.step, [])          # finished; it trains with its group (advantages need all of it)
                 return
             del self._groups[rec.task_id]
-        report(rec.step, group_items(group, self.cfg, sampling_seed(self.cfg.run.seed, rec.step)))
+        report(rec.step, group_items(group, self.cfg, sampling_seed(self.cfg.run.seed, rec.step),
+                                     self.run.vocab_size()))
 
     def micro_work(self, ms):
         return ms

@@ -163,7 +163,8 @@ def process(run_dir: str, step: int) -> str:
     records = read_records(run, step_part(step), skip=collapsed)
     adv = {s["execution_id"]: s["advantage"] for s in sc}
     rewards = {s["execution_id"]: s["reward"] for s in sc}
-    batch = training_batch(records, adv, rewards, mult, run.cfg, sampling_seed(run.cfg.run.seed, step))
+    batch = training_batch(records, adv, rewards, mult, run.cfg, sampling_seed(run.cfg.run.seed, step),
+                           vocab_size=run.vocab_size())
     tables, extra = {}, {}
     if pc.mode == "tree":
         from ..processor.sampling import batch_tables

@@ -63,26 +63,61 @@ def score_executions(rows: Iterable[tuple[str, str, str, float]], kept_as: Mappi
     return {i: kept_adv[k] for i, k in kept.items()}, mult, kept
 
 
+def poisoned(records: Iterable[ExecutionRecord], vocab_size: int | None = None) -> dict[str, str]:
+    """execution id -> why its record cannot be trained on: a behaviour log-prob that is not finite or is
+    above 0 (a probability over 1), or a token id outside [0, vocab_size). One such token would make the
+    update's loss NaN, or stop the trainer at an embedding lookup, on every retry."""
+    out = {}
+    for r in records:
+        for i, c in enumerate(r.calls):
+            lp = np.asarray(c.logprobs, dtype=np.float64)
+            if lp.size and not np.isfinite(lp).all():
+                out[r.execution_id] = f"poisoned record: call {i} has a non-finite behaviour log-prob"
+            elif lp.size and lp.max() > 1e-3:
+                out[r.execution_id] = f"poisoned record: call {i} has a log-prob above 0 ({lp.max():.3g})"
+            else:
+                ids = np.asarray(c.prompt_ids + c.completion_ids, dtype=np.int64)
+                if ids.size and (ids.min() < 0 or (vocab_size is not None and ids.max() >= vocab_size)):
+                    bad = int(ids.min()) if ids.min() < 0 else int(ids.max())
+                    out[r.execution_id] = (f"poisoned record: call {i} has token id {bad}, outside the "
+                                           f"vocabulary [0, {vocab_size})")
+            if r.execution_id in out:
+                break
+    return out
+
+
 def training_batch(records: list[ExecutionRecord], advantages: Mapping[str, float], rewards: Mapping[str, float],
-                   multiplicity: Mapping[str, int], cfg, seed: int, token_budget: int | None = None):
+                   multiplicity: Mapping[str, int], cfg, seed: int, token_budget: int | None = None,
+                   vocab_size: int | None = None):
     """The trained sequences of `records` (collapsed duplicates left out; the kept ones with their
     multiplicity): a `sampling.TreeBatch` in tree mode (trees, pruning, J_max role-priority sampling, credit),
-    else a `batch.TrainBatch` of flat sequences. `token_budget` overrides the config's."""
+    else a `batch.TrainBatch` of flat sequences. `token_budget` overrides the config's. A poisoned record
+    (`poisoned`; token ids checked against `vocab_size` when given) is excluded with its reason."""
+    bad = poisoned(records, vocab_size)
+    if bad:
+        records = [r for r in records if r.execution_id not in bad]
     pc = cfg.processor
     if pc.mode != "tree":
-        return build_batch(records, dict(advantages), dict(multiplicity), cfg.rl.progress_credit)
-    from .credit import CreditConfig
-    from .pruning import PruneConfig
-    from .sampling import SamplingConfig, tree_batch
+        batch = build_batch(records, dict(advantages), dict(multiplicity), cfg.rl.progress_credit)
+    else:
+        from .credit import CreditConfig
+        from .pruning import PruneConfig
+        from .sampling import SamplingConfig, tree_batch
 
-    return tree_batch(records, advantages, rewards, multiplicity=multiplicity,
-                      sampling=SamplingConfig(j_max=pc.j_max, token_budget=token_budget or pc.token_budget,
-                                              weighting=pc.weighting, role_order=tuple(pc.role_order), seed=seed),
-                      credit=CreditConfig(mode=pc.credit, shrink_k=pc.shrink_k),
-                      prune=PruneConfig(pc.prune_repeats, pc.prune_period) if pc.prune_repeats else None)
+        batch = tree_batch(records, advantages, rewards, multiplicity=multiplicity,
+                           sampling=SamplingConfig(j_max=pc.j_max, token_budget=token_budget or pc.token_budget,
+                                                   weighting=pc.weighting, role_order=tuple(pc.role_order),
+                                                   seed=seed),
+                           credit=CreditConfig(mode=pc.credit, shrink_k=pc.shrink_k),
+                           prune=PruneConfig(pc.prune_repeats, pc.prune_period) if pc.prune_repeats else None)
+    batch.excluded.update(bad)
+    if hasattr(batch, "exclusion_stage"):
+        batch.exclusion_stage.update(dict.fromkeys(bad, "poisoned"))
+    return batch
 
 
-def records_batch(records: list[ExecutionRecord], cfg, seed: int, token_budget: int | None = None):
+def records_batch(records: list[ExecutionRecord], cfg, seed: int, token_budget: int | None = None,
+                  vocab_size: int | None = None):
     """Records in memory (rewards assigned) through dedup (`processor.dedup`), scoring and `training_batch`:
     (the batch, advantages, multiplicities of the kept executions, kept_as of every scored one)."""
     kept_as = duplicates(records) if cfg.processor.dedup else {}
@@ -90,17 +125,18 @@ def records_batch(records: list[ExecutionRecord], cfg, seed: int, token_budget: 
                                        kept_as, cfg.rl)
     trained = [r for r in records if r.execution_id in adv and kept[r.execution_id] == r.execution_id]
     batch = training_batch(trained, {r.execution_id: adv[r.execution_id] for r in trained},
-                           {r.execution_id: r.reward for r in trained}, mult, cfg, seed, token_budget)
+                           {r.execution_id: r.reward for r in trained}, mult, cfg, seed, token_budget, vocab_size)
     return batch, adv, mult, kept
 
 
-def group_items(group: list[ExecutionRecord], cfg, seed: int) -> list[tuple[str, object, list[int], int, str]]:
+def group_items(group: list[ExecutionRecord], cfg, seed: int,
+                vocab_size: int | None = None) -> list[tuple[str, object, list[int], int, str]]:
     """One task's complete group, processed as the step loop processes a step (rewards already assigned):
     per execution (id, its sequences or None, the behaviour versions of its trained tokens, the executions
     it stands for in the normaliser, why it is not trained — "" when it is)."""
     pc = cfg.processor
     share = max(pc.token_budget // cfg.rollout.tasks_per_step, 1) if pc.token_budget else None
-    batch, adv, mult, kept = records_batch(group, cfg, seed, share)
+    batch, adv, mult, kept = records_batch(group, cfg, seed, share, vocab_size)
     seqs: dict[str, list] = {}
     for sq in batch.sequences:            # a record that does not line up is excluded by the batch
         seqs.setdefault(sq.execution_id, []).append(sq)

@@ -174,3 +174,45 @@ def test_the_streamed_update_equals_the_step_loops(step):
         assert ((p.detach() - r.detach()).abs() <= 2 * LR + 1e-7).all(), name
         compared += int(sure.sum())
     assert compared > 1000
+
+
+@pytest.mark.fault("a poisoned trajectory reaches the processor", "an execution with a NaN or impossible log-prob "
+                   "or a token id outside the vocabulary is excluded with its reason; the update stays finite")
+@pytest.mark.parametrize("mode", ["tree", "flat"])
+def test_poisoned_records_are_excluded_with_their_reason_and_the_update_stays_finite(step, mode):
+    from gyre_core.processor.step_batch import training_batch
+
+    tok, recs = step
+    cfg = _cfg(**{"processor.mode": mode})
+    vocab = len(tok)
+    _, adv, mult, _ = records_batch(recs, cfg, SEED)
+    parents = {r.fork_of for r in recs}
+    twins = {r.execution_id.removesuffix("-twin") for r in recs if r.execution_id.endswith("-twin")}
+    plain = [r for r in recs if mult.get(r.execution_id, 0) == 1 and r.execution_id not in parents | twins
+             and len(r.calls) > (r.fork_call or 0) + 1]       # its last call its own, not one shared with a fork
+    assert len(plain) >= 3
+    poisoned = copy.deepcopy(recs)
+    by_id = {r.execution_id: r for r in poisoned}
+    nan, high, far = (by_id[r.execution_id] for r in plain[:3])
+    nan.calls[-1].logprobs[0] = float("nan")
+    high.calls[-1].logprobs[-1] = 0.5                            # a probability above 1
+    far.calls[-1].completion_ids[0] = vocab + 7                  # what no embedding row holds
+    rewards = {r.execution_id: r.reward for r in recs}
+    kept_mult = {i: m for i, m in mult.items() if m > 0}
+    batch = training_batch([r for r in poisoned if r.execution_id in kept_mult], adv, rewards, kept_mult, cfg, SEED,
+                           vocab_size=vocab)
+    assert {i: batch.excluded[i] for i in (nan.execution_id, high.execution_id, far.execution_id)} == {
+        nan.execution_id: f"poisoned record: call {len(nan.calls) - 1} has a non-finite behaviour log-prob",
+        high.execution_id: f"poisoned record: call {len(high.calls) - 1} has a log-prob above 0 (0.5)",
+        far.execution_id: f"poisoned record: call {len(far.calls) - 1} has token id {vocab + 7}, outside the "
+                          f"vocabulary [0, {vocab})"}
+    # the rest trains exactly as it would without the three
+    clean = training_batch([r for r in recs if r.execution_id in kept_mult and r.execution_id not in
+                            {nan.execution_id, high.execution_id, far.execution_id}], adv, rewards, kept_mult, cfg,
+                           SEED, vocab_size=vocab)
+    assert sorted(map(_key, batch.sequences)) == sorted(map(_key, clean.sequences))
+    assert not any(sq.execution_id in batch.excluded for sq in batch.sequences)
+    trainer = Trainer(_model(vocab), lr=LR, zero_stage=1, grad_clip=1e9)
+    trainer.micro_step(batch.sequences if mode == "flat" else pack_branches(batch.sequences, max_tokens=100_000),
+                       batch.normaliser, last=True, objective="ppo", clip_low=0.2, clip_high=0.28)
+    assert all(torch.isfinite(g).all() for g in trainer.gradients().values())
