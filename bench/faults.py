@@ -71,6 +71,18 @@ def render_table(rows: list[Row]) -> str:
     return "\n".join(lines)
 
 
+def render_bad_inputs(root: Path = ROOT) -> str:
+    """The bad-input tests, a line each."""
+    lines = ["| bad input | refused by |", "|---|---|"]
+    lines += [f"| {args[0]} | `{test}` |" for test, args in marked("bad_input", root)]
+    return "\n".join(lines)
+
+
+def render(root: Path = ROOT) -> str:
+    """What `gyre bench faults --table` prints and docs/faults.md holds: both tables."""
+    return render_table(fault_rows(root)) + "\n\nBad input:\n\n" + render_bad_inputs(root)
+
+
 def table_in(doc: str) -> str:
     """The generated table as it stands in a document."""
     start, end = doc.index(TABLE_START) + len(TABLE_START), doc.index(TABLE_END)
@@ -95,4 +107,4 @@ def bench_faults(quick: bool = False) -> dict:
 
 
 if __name__ == "__main__":
-    print(render_table(fault_rows()))
+    print(render())

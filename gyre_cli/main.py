@@ -385,9 +385,9 @@ def cmd_bench(args) -> int:
         if args.what != "faults":
             print("gyre bench: --table is for `gyre bench faults`", file=sys.stderr)
             return 2
-        from bench.faults import fault_rows, render_table
+        from bench.faults import render
 
-        print(render_table(fault_rows()))
+        print(render())
         return 0
     try:
         with contextlib.redirect_stdout(sys.stderr):   # libraries' chatter must not break the JSON on stdout

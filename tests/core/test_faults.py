@@ -209,3 +209,16 @@ def test_gyre_train_says_a_full_disk_in_one_line(tmp_path, monkeypatch, capsys):
     assert capsys.readouterr().err.splitlines() == [
         f"gyre: error: No space left on device writing {tmp_path}/lake/x.parquet; free some space and run the "
         "same command again to resume run 'smoke-s0'"]
+
+
+def test_the_fault_table_in_the_docs_is_the_tests_markers():
+    """docs/faults.md holds exactly what `gyre bench faults --table` prints from the markers, and every row's
+    test exists with the marker (read from the test sources)."""
+    from bench.faults import fault_rows, render, table_in
+
+    assert table_in((ROOT / "docs" / "faults.md").read_text()) == render()
+    rows = fault_rows()
+    assert len({r.fault for r in rows}) >= 20
+    for r in rows:
+        path, name = r.test.split("::")
+        assert f"def {name}(" in (ROOT / path).read_text(), r.test
