@@ -42,19 +42,25 @@ def configured_env(env_cfg) -> Environment:
 
     try:
         return load_env(env_cfg.target, **env_cfg.kwargs)
+    except ConfigError:
+        raise
     except Exception as exc:  # noqa: BLE001 - a user's constructor may raise anything
         raise ConfigError(f"env.target: {exc}") from None
 
 
 def load_env(target: str, **kwargs: Any) -> Environment:
-    """Build the environment named by `target` ("module.path:callable") with `kwargs`.
+    """Build the environment named by `target` ("module.path:callable") with `kwargs`; a target the
+    machine's GYRE_ALLOW_ENVS does not allow is refused before anything is imported (`gyre_core.trust`).
 
     Raises ValueError (one line) when the module or attribute does not exist, or when the result does
     not satisfy the Environment Protocol (naming the missing members).
     """
+    from ..trust import check_env_target
+
     module_name, sep, attr = target.partition(":")
     if not sep or not module_name or not attr:
         raise ValueError(f"env target {target!r} must look like 'module.path:callable'")
+    check_env_target(target)            # before the module's code runs (GYRE_ALLOW_ENVS)
     try:
         module = importlib.import_module(module_name)
     except ImportError as e:

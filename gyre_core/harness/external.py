@@ -58,7 +58,11 @@ def agent_env(harness, base_url: str, keys, model_name: str, task: str, workspac
 
 def resolve_command(command: list[str]) -> list[str]:
     """The argv to run in a workspace: `python` is Gyre's interpreter; a relative path that exists here, or in
-    Gyre's project directory (`examples/...`), made absolute."""
+    Gyre's project directory (`examples/...`), made absolute. A command the machine's GYRE_ALLOW_COMMANDS
+    does not allow is refused (`gyre_core.trust`)."""
+    from ..trust import check_command
+
+    check_command(command)              # GYRE_ALLOW_COMMANDS, before anything is started
     project = Path(__file__).resolve().parents[2]
     out = []
     for i, word in enumerate(command):

@@ -22,6 +22,10 @@ def preflight(cfg: GyreConfig):
     from ..lake import Lake
 
     env = configured_env(cfg.env)
+    if cfg.harness.command:
+        from ..harness.external import resolve_command
+
+        resolve_command(cfg.harness.command)
     RunDir.check_reusable(cfg)
     if cfg.elastic.enabled:
         from ..elastic.connections import check_fleet

@@ -207,3 +207,31 @@ def test_lake_secrets_are_environment_references_never_literals(tmp_path, monkey
     params = flatten(cfg.model_dump(mode="json"))
     assert "hunter2" not in written and "hunter2" not in str(params)
     assert "${env:GYRE_TEST_SECRET}" in written and params["lake.storage_options.secret"] == "${env:GYRE_TEST_SECRET}"
+
+
+@pytest.mark.bad_input("an env target or agent command the worker does not allow")
+def test_a_workers_allow_lists_refuse_other_code_before_it_runs(tmp_path, monkeypatch):
+    """GYRE_ALLOW_ENVS / GYRE_ALLOW_COMMANDS, set by whoever runs the worker: a target outside them is refused
+    before its module is imported (its import would write a file), a command before it starts."""
+    from gyre_core.phases.prepare import preflight
+
+    (tmp_path / "sideeffect.py").write_text(f"open({str(tmp_path / 'ran')!r}, 'w').close()\n"
+                                            "def Env(**kw):\n    raise SystemExit\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    base = [f"run.out_root={tmp_path}/runs", f"lake.root={tmp_path}/lake"]
+    monkeypatch.setenv("GYRE_ALLOW_ENVS", "gyre_core.envs.*:*, examples.custom_env:GuessEnv")
+    for target in ("sideeffect:Env", "os:system"):
+        with pytest.raises(ConfigError) as err:
+            preflight(load_config("smoke", [*base, f"env.target={target}", "env.kwargs={}"]))
+        assert str(err.value) == (f"env.target: {target!r} is not allowed on this machine "
+                                  "(GYRE_ALLOW_ENVS='gyre_core.envs.*:*, examples.custom_env:GuessEnv')")
+    assert not (tmp_path / "ran").exists()
+    preflight(load_config("smoke", base))                                   # the preset's own env: allowed
+    monkeypatch.setenv("GYRE_ALLOW_COMMANDS", "mini-swe-agent *")
+    with pytest.raises(ConfigError, match=r"^harness.command: 'sh -c id' is not allowed on this machine"):
+        preflight(load_config("smoke", [*base, "harness.command=sh -c id", "eval.random_baseline=false"]))
+    monkeypatch.setenv("GYRE_ALLOW_ENVS", "")                               # empty: nothing is allowed
+    cfg = load_config("smoke", base)
+    with pytest.raises(ConfigError) as err:
+        preflight(cfg)
+    assert str(err.value) == f"env.target: {cfg.env.target!r} is not allowed on this machine (GYRE_ALLOW_ENVS='')"
