@@ -2,6 +2,7 @@
 
     gyre bench faults [--json] [--quick]     # run every test marked `fault` or `bad_input`; the counts
     gyre bench faults --table                # the fault table (docs/faults.md) from the tests' markers
+    python -m bench.faults --write           # ... written into docs/faults.md
 
 A test proves a row of the table by carrying `@pytest.mark.fault("fault", "what Gyre promises")`; a test
 of bad input carries `@pytest.mark.bad_input("what")`. The table is read from those markers in the test
@@ -106,5 +107,15 @@ def bench_faults(quick: bool = False) -> dict:
     return result
 
 
+def write_doc(path: Path = ROOT / "docs" / "faults.md") -> None:
+    """Put the tables from the markers into docs/faults.md (`python -m bench.faults --write`)."""
+    doc = path.read_text()
+    start, end = doc.index(TABLE_START) + len(TABLE_START), doc.index(TABLE_END)
+    path.write_text(doc[:start] + "\n" + render() + "\n" + doc[end:])
+
+
 if __name__ == "__main__":
-    print(render())
+    if sys.argv[1:] == ["--write"]:
+        write_doc()
+    else:
+        print(render())

@@ -216,7 +216,7 @@ def test_the_fault_table_in_the_docs_is_the_tests_markers():
     test exists with the marker (read from the test sources)."""
     from bench.faults import fault_rows, render, table_in
 
-    assert table_in((ROOT / "docs" / "faults.md").read_text()) == render()
+    assert table_in((ROOT / "docs" / "faults.md").read_text()) == render(), "python -m bench.faults --write"
     rows = fault_rows()
     assert len({r.fault for r in rows}) >= 20
     for r in rows:
