@@ -32,6 +32,7 @@ class _Section(BaseModel):
 
 
 RUN_ID_CHARS = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
+OVERRIDE_KEY = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*")
 ENV_REF = re.compile(r"\$\{env:([A-Za-z_][A-Za-z0-9_]*)\}")      # a value read from the environment
 SECRET_NAME = re.compile(r"key|secret|token|passw|credential", re.IGNORECASE)
 
@@ -620,6 +621,8 @@ def apply_overrides(tree: dict, items: list[str]) -> dict:
         if "=" not in item:
             raise ConfigError(f"override '{item}': expected key=value, e.g. rl.lr=1e-4")
         key, raw = item.split("=", 1)
+        if not OVERRIDE_KEY.fullmatch(key.strip()):
+            raise ConfigError(f"override {item[:60]!r}: {key.strip()[:40]!r} is not a dotted key such as rl.lr")
         try:
             value = yaml.safe_load(raw) if raw != "" else ""
         except yaml.YAMLError:

@@ -19,7 +19,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from gyre_core.lake.store import _STEP_PART, COMPACTED, MANIFEST, Lake, _with_version
+from gyre_core.lake.store import _STEP_PART, COMPACTED, MANIFEST, Lake, _with_version, write_parquet
 from gyre_core.records import SCHEMA_VERSION
 
 
@@ -72,7 +72,7 @@ def compact(lake: Lake, run_id: str, target_mb: float = 256.0, include_latest: b
             merged = pa.concat_tables(parts, promote_options="permissive")
             fname = f"{table}.parquet"
             size = lake._put(f"{d}/{fname}",
-                             lambda f, t=_with_version(merged): pq.write_table(t, f, row_group_size=1 << 20))
+                             lambda f, t=_with_version(merged): write_parquet(t, f, row_group_size=1 << 20))
             files[table] = {"file": fname, "rows": merged.num_rows, "bytes": size}
         body = {"format": "gyre-lake", "schema_version": SCHEMA_VERSION, "run_id": run_id, "part": label,
                 "written_at": datetime.now(timezone.utc).isoformat(), "files": files,

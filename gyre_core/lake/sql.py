@@ -315,8 +315,13 @@ def _wrap(e: duckdb.Error) -> SqlError:
     refused = isinstance(e, duckdb.PermissionException) or any(
         s in msg for s in ("read-only mode", "configuration has been locked", "disabled by configuration",
                            "disabled through configuration"))
-    # A refusal is one line (DuckDB appends the query with a caret); other errors keep their hints.
-    return SqlRefused(msg.splitlines()[0].strip()) if refused else SqlError(msg)
+    # A refusal is one line (DuckDB appends the query with a caret); so is a file that cannot be read (its
+    # details follow on further lines); other errors, such as a syntax error, keep their hints.
+    if refused:
+        return SqlRefused(msg.splitlines()[0].strip())
+    if isinstance(e, (duckdb.IOException, duckdb.InvalidInputException)):
+        return SqlError(" ".join(msg.split()) + " (`gyre lake check` finds damaged files and sets them aside)")
+    return SqlError(msg)
 
 
 def sql_dir() -> Path:

@@ -173,7 +173,7 @@ class Lake:
                 table, written = self._offload_payloads(run_id, part, table)
                 payloads += written
             fname = f"{name}.parquet"
-            size = self._put(f"{d}/{fname}", lambda f, t=_with_version(table): pq.write_table(t, f))
+            size = self._put(f"{d}/{fname}", lambda f, t=_with_version(table): write_parquet(t, f))
             files[name] = {"file": fname, "rows": table.num_rows, "bytes": size}
         body = {
             "format": "gyre-lake",
@@ -261,7 +261,10 @@ class Lake:
                         self.fs.rm(q, recursive=True)
                         removed += 1
             elif name not in keep:
-                self.fs.rm(p, recursive=True)
+                if name.endswith(".parquet"):    # whole: maybe committed data a damaged manifest forgot
+                    self._set_aside(d, [p], "a whole Parquet file its part's manifest does not list")
+                else:                            # a writer's temporary file
+                    self.fs.rm(p, recursive=True)
                 removed += 1
         return removed
 
@@ -276,6 +279,10 @@ class Lake:
             body = json.loads(raw)
             if not isinstance(body, dict) or not isinstance(body.get("files"), dict):
                 raise ValueError("not a Gyre lake manifest (no 'files')")
+            for table, f in body["files"].items():     # each table's one file, as write_part names it
+                if not (isinstance(f, dict) and f.get("file") == f"{table}.parquet"
+                        and isinstance(f.get("rows"), int) and isinstance(f.get("bytes"), int)):
+                    raise ValueError(f"its entry for table {str(table)[:40]!r} is not one a Gyre lake writes")
         except ValueError as e:           # truncated, garbage, or another file's: set aside, never trusted
             self._set_aside(path.rsplit("/", 1)[0], [path], f"damaged manifest ({type(e).__name__}: {e})")
             return None
@@ -363,7 +370,13 @@ class Lake:
         """A table's committed rows (columns unioned by name across files)."""
         tables = []
         for e in self.entries(table, run_id, part):
-            t = pq.read_table(e["path"], filesystem=self.fs)
+            try:
+                t = pq.read_table(e["path"], filesystem=self.fs, page_checksum_verification=True)
+            except (OSError, pa.ArrowException) as exc:      # a damaged page, past the footer's check
+                if isinstance(exc, FileNotFoundError) or not self.fs.exists(e["path"]):
+                    raise
+                self.quarantine(e["run_id"], e["part"], table, _unreadable(exc))
+                continue
             if "step" in e:
                 t = t.filter(pc.equal(t.column("step"), e["step"]))
             tables.append(t)
@@ -378,14 +391,14 @@ class Lake:
         return read_executions(self.read("executions", run_id, part), self.read("calls", run_id, part))
 
     # ---- bad files: checked once, quarantined ------------------------------------------------
-    def _verify(self, entry: dict[str, Any], fresh: bool = False) -> bool:
+    def _verify(self, entry: dict[str, Any], fresh: bool = False, deep: bool = False) -> bool:
         """True when the listed file is what its manifest says; otherwise quarantine it and say so.
-        A file is checked once per process unless `fresh`."""
+        A file is checked once per process unless `fresh`; `deep` reads every page (`_file_problem`)."""
         key = (self._protocol(), entry["path"], entry["bytes"], entry["written_at"])
         with _verified_lock:
             if key in _verified and not fresh:
                 return True
-        problem = self._file_problem(entry)
+        problem = self._file_problem(entry, deep)
         if problem is None:
             with _verified_lock:
                 _verified.add(key)
@@ -393,19 +406,23 @@ class Lake:
         self.quarantine(entry["run_id"], entry["part"], entry["table"], problem)
         return False
 
-    def _file_problem(self, entry: dict[str, Any]) -> str | None:
+    def _file_problem(self, entry: dict[str, Any], deep: bool = False) -> str | None:
+        """What is wrong with a listed file (None: nothing): its size, footer, rows and column types, and with
+        `deep` every page read and checked against its CRC."""
         path, table = entry["path"], entry["table"]
         try:
             size = self.fs.size(path)
             if size != entry["bytes"]:
                 return f"{size} bytes, its manifest says {entry['bytes']} (truncated or replaced)"
             with self.fs.open(path, "rb", **({} if self.local else {"size": size})) as f:   # no second HEAD
-                pf = pq.ParquetFile(f)
+                pf = pq.ParquetFile(f, page_checksum_verification=deep)
                 rows, schema = pf.metadata.num_rows, pf.schema_arrow
+                if deep:
+                    pf.read()
         except FileNotFoundError:
             return "missing"
         except Exception as e:  # noqa: BLE001 - whatever pyarrow says about a broken file
-            return f"not a readable Parquet file ({type(e).__name__}: {' '.join(str(e).split())})"
+            return _unreadable(e)
         if rows != entry["rows"]:
             return f"{rows} rows, its manifest says {entry['rows']}"
         version = int((schema.metadata or {}).get(METADATA_KEY, b"1"))
@@ -429,7 +446,7 @@ class Lake:
         if m is None or table not in m["files"]:
             return None
         src = f"{d}/{m['files'][table]['file']}"
-        stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%S")
+        stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%S%f")     # two in one second keep both
         dest = f"{self.path}/{QUARANTINE}/{run_id}/{part}/{stamp}-{m['files'][table]['file']}"
         try:
             if self.fs.exists(src):
@@ -468,11 +485,12 @@ class Lake:
         _warn(f"{self.url(d)}: {reason}; {', '.join(names)} moved to {self.url(dest)}")
 
     def check(self, run_id: str | None = None) -> list[dict[str, Any]]:
-        """Check every listed file now (quarantining bad ones); returns what was quarantined."""
+        """Check every listed file now, every page against its CRC (quarantining bad ones); returns what was
+        quarantined."""
         before = {(m["run_id"], m["part"]): set(m.get("quarantined", {})) for m in self.manifests(run_id)}
         for table in SCHEMAS:
             for e in self.entries(table, run_id, verify=False):
-                self._verify(e, fresh=True)
+                self._verify(e, fresh=True, deep=True)
         out = []
         for m in self.manifests(run_id):
             for table, q in m.get("quarantined", {}).items():
@@ -484,7 +502,7 @@ class Lake:
         """What `check` would quarantine now, moving nothing (a dry run)."""
         return [{"run_id": e["run_id"], "part": e["part"], "table": table, "file": self.relpath(e["path"]),
                  "reason": why} for table in SCHEMAS for e in self.entries(table, run_id, verify=False)
-                if (why := self._file_problem(e)) is not None]
+                if (why := self._file_problem(e, deep=True)) is not None]
 
     # ---- crash leftovers ---------------------------------------------------------------------
     def cleanup(self, run_id: str) -> dict[str, int]:
@@ -602,6 +620,16 @@ def _check_table(name: str, table: pa.Table) -> None:
         if i < 0 or table.schema.field(i).type != f.type:
             got = "missing" if i < 0 else str(table.schema.field(i).type)
             raise ValueError(f"table {name!r}: column {f.name!r} should be {f.type}, is {got}")
+
+
+def _unreadable(e: BaseException) -> str:
+    return f"not a readable Parquet file ({type(e).__name__}: {' '.join(str(e).split())})"
+
+
+def write_parquet(table: pa.Table, f, **kw) -> None:
+    """A lake file: with a CRC per page, so a flipped bit is found when the file is read (`Lake.read`, `gyre
+    lake check`) instead of reading as a wrong value."""
+    pq.write_table(table, f, write_page_checksum=True, **kw)
 
 
 def _with_version(table: pa.Table) -> pa.Table:
