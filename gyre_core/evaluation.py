@@ -3,6 +3,13 @@
 With per-seed outcomes b_i (before) and a_i (after), the paired difference d_i = a_i − b_i has mean
 d̄ and standard error s_d/√n; the 95% interval is d̄ ± 1.96·s_d/√n (normal approximation, n ≥ 100).
 Pairing removes the between-seed variance that two independent samples would carry.
+
+For success (0/1 per seed) the interval is Agresti and Min's (2005): the same Wald form after adding half
+an episode to each of the four cells of the before × after table. With few discordant pairs — seeds that
+only one of the two policies solved — the plain interval collapses: 3/100 successes before and after on the
+same seeds give d_i = 0 everywhere and [+0, +0], as if the difference were known exactly. The adjusted one
+stays about ±2 points wide there, and at hundreds of seeds it differs from the plain one by well under 0.1
+points.
 """
 from __future__ import annotations
 
@@ -60,15 +67,33 @@ def paired_difference(before: list[float], after: list[float]) -> PairedDiff:
     return PairedDiff(n, mean, se, mean - Z95 * se, mean + Z95 * se)
 
 
+def paired_binary(before: list[int], after: list[int]) -> PairedDiff:
+    """after − before per seed of 0/1 outcomes: the observed mean difference with Agresti–Min's 95% interval
+    (module docstring). `se` is the adjusted one the interval uses."""
+    if len(before) != len(after) or not before:
+        raise ValueError("paired difference needs two equally long, non-empty lists")
+    if any(x not in (0, 1) for x in (*before, *after)):
+        raise ValueError("paired_binary: outcomes must be 0 or 1")
+    n = len(before)
+    gained = sum(1 for b, a in zip(before, after) if a > b)      # solved only after
+    lost = sum(1 for b, a in zip(before, after) if b > a)        # solved only before
+    m = n + 2                                                    # half an episode in each of the four cells
+    p_gain, p_loss = (gained + 0.5) / m, (lost + 0.5) / m
+    centre = p_gain - p_loss
+    se = math.sqrt((p_gain + p_loss - centre ** 2) / m)
+    return PairedDiff(n, (gained - lost) / n, se, centre - Z95 * se, centre + Z95 * se)
+
+
 def paired(before: EvalResult, after: EvalResult, metric: str = "success") -> PairedDiff:
-    """after − before per seed, of success (0/1) or of the partial-progress score (`metric="partial"`: the
-    finer measure where successes are rare, as on `long`)."""
+    """after − before per seed, of success (0/1, `paired_binary`) or of the partial-progress score
+    (`metric="partial"`: the finer measure where successes are rare, as on `long`; `paired_difference`)."""
     if before.seeds != after.seeds:
         raise ValueError("before and after were evaluated on different seeds; a paired difference needs the same")
     if metric not in ("success", "partial"):
         raise ValueError(f"paired: metric is 'success' or 'partial', not {metric!r}")
-    key = "successes" if metric == "success" else "partials"
-    return paired_difference([float(x) for x in getattr(before, key)], [float(x) for x in getattr(after, key)])
+    if metric == "success":
+        return paired_binary(list(before.successes), list(after.successes))
+    return paired_difference(list(before.partials), list(after.partials))
 
 
 @dataclass(slots=True)

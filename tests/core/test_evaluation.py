@@ -2,7 +2,7 @@ import math
 
 import pytest
 
-from gyre_core.evaluation import paired, paired_difference, summarize
+from gyre_core.evaluation import Z95, paired, paired_difference, summarize
 
 
 def test_paired_difference_by_hand():
@@ -51,3 +51,29 @@ def test_success_interval_is_wilsons():
     assert (round(one.ci95_low, 4), round(one.ci95_high, 4)) == (0.0179, 0.4042)
     with pytest.raises(ValueError):
         success_interval(3, 2)
+
+
+def test_paired_success_uses_agresti_min_and_never_collapses():
+    from gyre_core.evaluation import paired_binary
+
+    # 3/100 before and after, on the same seeds: no discordant pair. By hand: m = 102, p_gain = p_loss = 0.5/102,
+    # centre 0, se = sqrt((1/102) / 102) = 1/102; the interval ±1.96/102 (±1.92 points), not [0, 0]
+    same = [1, 1, 1] + [0] * 97
+    d = paired_binary(same, same)
+    assert d.mean == 0.0
+    assert d.ci95_low == pytest.approx(-Z95 / 102) and d.ci95_high == pytest.approx(Z95 / 102)
+    assert paired_difference(same, same).ci95_high == 0.0          # what the plain interval said
+    # 5 seeds, one gained and none lost: m = 7, p_gain = 1.5/7, p_loss = 0.5/7, centre 1/7,
+    # var = (2/7 − 1/49)/7 = 13/343
+    d = paired_binary([1, 0, 0, 1, 0], [1, 1, 0, 1, 0])
+    assert d.mean == pytest.approx(0.2)
+    assert d.se == pytest.approx(math.sqrt(13 / 343))
+    assert d.ci95_low == pytest.approx(1 / 7 - Z95 * math.sqrt(13 / 343))
+    # many seeds: within 0.1 points of the plain interval
+    rng = __import__("random").Random(0)
+    b = [int(rng.random() < 0.4) for _ in range(1000)]
+    a = [x if rng.random() < 0.8 else 1 - x for x in b]
+    adj, plain = paired_binary(b, a), paired_difference(b, a)
+    assert abs(adj.ci95_low - plain.ci95_low) < 1e-3 and abs(adj.ci95_high - plain.ci95_high) < 1e-3
+    with pytest.raises(ValueError, match="0 or 1"):
+        paired_binary([2], [1])
