@@ -11,9 +11,11 @@ hooks, and `examples/custom_env.py` for a small complete example.
 from __future__ import annotations
 
 import importlib
+import inspect
 import itertools
 import math
 import random
+import sys
 import time
 from typing import Any
 
@@ -27,8 +29,8 @@ from gyre_core.envs.protocol import (
 )
 
 __all__ = [
-    "HOOKS", "Environment", "Score", "StepResult", "check_environment", "configured_env", "load_env",
-    "missing_members", "supports",
+    "HOOKS", "SPLITS", "Environment", "Score", "StepResult", "check_environment", "close_env", "configured_env",
+    "load_env", "missing_members", "reset_env", "split_of", "supports",
 ]
 
 # Text no environment should accept as an action.
@@ -79,6 +81,44 @@ def load_env(target: str, **kwargs: Any) -> Environment:
             f"env target {target!r} does not satisfy the Environment protocol: missing {', '.join(missing)}"
         )
     return env
+
+
+SPLITS = ("train", "eval", "demo")
+
+
+def split_of(execution_split: str) -> str:
+    """The split an environment is told, from an execution's: "train" (RL), "eval" (held-out evaluations:
+    eval-sampled, eval-greedy, eval-random) or "demo" (demonstrations: the warm start's and the control's)."""
+    return "eval" if execution_split.startswith("eval") else "train" if execution_split == "train" else "demo"
+
+
+def reset_env(env, seed: int, split: str):
+    """`env.reset(seed)`; an environment whose `reset` takes a `split` parameter is told which split the
+    seed is for (`split_of`), so it need not guess from seed ranges."""
+    kind = type(getattr(env.reset, "__self__", env))        # (a wrapper's reset is its environment's)
+    takes = _RESET_TAKES_SPLIT.get(kind)
+    if takes is None:
+        try:
+            takes = "split" in inspect.signature(env.reset).parameters
+        except (TypeError, ValueError):
+            takes = False
+        _RESET_TAKES_SPLIT[kind] = takes
+    return env.reset(seed, split=split_of(split)) if takes else env.reset(seed)
+
+
+_RESET_TAKES_SPLIT: dict[type, bool] = {}
+
+
+def close_env(env) -> None:
+    """The environment's optional `close()`, once an execution is over (scored or failed): an interpreter, a
+    container or a game process held per execution is let go. What `close()` raises is said, never fatal."""
+    close = getattr(env, "close", None)
+    if callable(close):
+        try:
+            close()
+        except Exception as exc:  # noqa: BLE001 - a failing close must not lose the execution
+            print(f"gyre: {getattr(env, 'name', type(env).__name__)}.close() raised {type(exc).__name__}: {exc}",
+                  file=sys.stderr)
 
 
 class LatencyEnv:
@@ -142,8 +182,8 @@ def _check_members(env: Any, seeds: tuple[int, ...], steps: int) -> list[str]:
     acts = env.actions
     if not isinstance(acts, tuple) or not acts:
         out.append("actions must be a non-empty tuple of str")
-    elif not all(isinstance(a, str) and a and a == a.strip() and " " not in a for a in acts):
-        out.append("actions must be single words without whitespace")
+    elif not all(isinstance(a, str) and a and a == a.strip() and "\n" not in a for a in acts):
+        out.append("actions must be non-empty text on one line, without leading or trailing whitespace")
     elif len(set(acts)) != len(acts):
         out.append("actions must not repeat")
     text = env.instructions()
@@ -156,13 +196,13 @@ def _check_reset(env: Any, seeds: tuple[int, ...], steps: int) -> list[str]:
     out = []
     before = env.instructions()
     for seed in seeds:
-        first, mission = env.reset(seed), env.mission()
+        first, mission = reset_env(env, seed, "train"), env.mission()
         if not isinstance(first, str) or not isinstance(mission, str):
             out.append(f"reset({seed}) and mission() must return str")
             continue
         ref = _rollout(env, seed, _probe(env, seed, steps))
         again = _rollout(env, seed, _probe(env, seed, steps))
-        if env.reset(seed) != first or env.mission() != mission:
+        if reset_env(env, seed, "train") != first or env.mission() != mission:
             out.append(f"reset({seed}) is not deterministic: "
                        "a second reset gave a different observation/mission")
         elif [r.observation for r in ref] != [r.observation for r in again]:
@@ -176,7 +216,7 @@ def _check_steps(env: Any, seeds: tuple[int, ...], steps: int) -> list[str]:
     out = []
     for seed in seeds:
         probe = _probe(env, seed, steps)  # (recording the probe plays it once; start over)
-        env.reset(seed)
+        reset_env(env, seed, "train")
         out += _score_problems(env, f"seed {seed} after reset")
         for i, action in enumerate(probe):
             res = env.step(action)
@@ -186,7 +226,7 @@ def _check_steps(env: Any, seeds: tuple[int, ...], steps: int) -> list[str]:
             if types != (str, bool, bool):
                 out.append("StepResult fields must be (str, bool, bool)")
             if not res.valid:
-                out.append(f"step({action!r}) with a word from `actions` gave valid=False")
+                out.append(f"step({action!r}) with an action from `actions` gave valid=False")
             out += _score_problems(env, f"seed {seed} step {i}")
             if not isinstance(env.summary(), str):
                 out.append("summary() must return str")
@@ -201,7 +241,7 @@ def _check_invalid_action(env: Any, seeds: tuple[int, ...], steps: int) -> list[
         probe = _probe(env, seed, steps)
         ref = _rollout(env, seed, probe)
         at = len(ref) // 2  # inject in the middle of the episode, before a step that was not yet done
-        env.reset(seed)
+        reset_env(env, seed, "train")
         for action in probe[:at]:
             env.step(action)
         score_before, summary_before = env.score(), env.summary()
@@ -246,7 +286,7 @@ def _check_expert(env: Any, seeds: tuple[int, ...], steps: int) -> list[str]:
               and isinstance(t["function"].get("name"), str)} if supports(env, "tools") else None)
     out: list[str] = []
     for seed in seeds:
-        env.reset(seed)
+        reset_env(env, seed, "train")
         for i in range(4 * steps):
             action = env.expert_action()
             if action is None:
@@ -271,7 +311,7 @@ def _check_save_restore(env: Any, seeds: tuple[int, ...], steps: int) -> list[st
     for seed in seeds:
         probe = _probe(env, seed, 2 * steps)
         at = len(_rollout(env, seed, probe)) // 2  # fork mid-episode (right after reset if it is short)
-        env.reset(seed)
+        reset_env(env, seed, "train")
         _run(env, probe[:at])
         state, score, summary = env.save_state(), env.score(), env.summary()
         first = [r.observation for r in _run(env, probe[at:])]
@@ -296,7 +336,7 @@ def _check_corpus(env: Any, seeds: tuple[int, ...], steps: int) -> list[str]:
     ref = _rollout(env, seeds[0], probe)
     if len(ref) < 2 or ref[0].done:
         return []
-    env.reset(seeds[0])
+    reset_env(env, seeds[0], "train")
     env.step(probe[0])
     list(itertools.islice(env.corpus(1, 7), 200))
     if env.step(probe[1]).observation != ref[1].observation:
@@ -320,7 +360,7 @@ def _check_tools(env: Any, seeds: tuple[int, ...], steps: int) -> list[str]:
         names.append(fn["name"])
     if len(set(names)) != len(names):
         problems.append(f"tools: tool names repeat: {names}")
-    env.reset(seeds[0])
+    reset_env(env, seeds[0], "train")
     try:
         env.call_tool("\x00no such tool", {})
         problems.append("tools: call_tool with an undeclared name returned instead of raising")
@@ -337,7 +377,7 @@ def _check_workspace(env: Any, seeds: tuple[int, ...], steps: int) -> list[str]:
 
     def snapshot(seed: int):
         with tempfile.TemporaryDirectory() as d:
-            env.reset(seed)
+            reset_env(env, seed, "train")
             task = env.setup_workspace(d)
             files = {str(f.relative_to(d)): f.read_bytes() for f in sorted(Path(d).rglob("*")) if f.is_file()}
             score = env.score_workspace(d)
@@ -362,7 +402,7 @@ def _check_progress(env: Any, seeds: tuple[int, ...], steps: int) -> list[str]:
     for seed in seeds:
         probe = _probe(env, seed, steps)
         ref = _rollout(env, seed, probe)
-        env.reset(seed)
+        reset_env(env, seed, "train")
         for i, action in enumerate(probe):
             p = env.progress()
             if isinstance(p, bool) or not isinstance(p, (int, float)) or not 0.0 <= p <= 1.0:
@@ -386,7 +426,7 @@ def _probe(env: Any, seed: int, steps: int) -> list[str]:
     Recorded from one rollout; it stops at the action that ended the episode."""
     rng = random.Random(seed * 7919 + 17)
     use_expert = supports(env, "expert_action")
-    env.reset(seed)
+    reset_env(env, seed, "train")
     out: list[str] = []
     for _ in range(steps):
         action = None
@@ -404,7 +444,7 @@ def _probe(env: Any, seed: int, steps: int) -> list[str]:
 
 
 def _rollout(env: Any, seed: int, actions: list[str]) -> list[StepResult]:
-    env.reset(seed)
+    reset_env(env, seed, "train")
     return _run(env, actions)
 
 

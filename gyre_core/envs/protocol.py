@@ -10,7 +10,7 @@ observations as user turns, and passes each decoded model completion to `step()`
 
 Optional hooks (use `supports(env, hook)` to ask whether an env has one):
 
-- `expert_action(self) -> str | None` — the demonstrator's next action word for the current state
+- `expert_action(self) -> str | None` — the demonstrator's next action for the current state
   (one of `actions`), or None when it has none. Used to generate warm-start demonstrations through the
   real harness, so it must follow the state whatever actions were actually taken.
 - `corpus(self, episodes: int, seed: int) -> Iterator[str]` — representative text (instructions,
@@ -34,6 +34,17 @@ Optional hooks (use `supports(env, hook)` to ask whether an env has one):
   works on into the empty directory `path` (its working directory) and return the task text it is given
   (`GYRE_TASK`); when the agent has exited, score what it left in `path` (an exception is an evaluator
   failure, retried as `score`'s). Both or neither.
+- `close(self) -> None` — called once an execution is over (scored or failed): let go of what the
+  environment holds per execution (an interpreter, a game process, a container). An exception is reported
+  and does not fail the execution.
+
+`reset` may also take a keyword parameter `split`: the harness then calls `reset(seed, split=...)` with
+"train" (an RL task), "eval" (a held-out evaluation) or "demo" (a demonstration for the warm start or the
+control), so an environment with its own train/test data need not guess from the seed.
+
+Actions are text: `actions` lists commands the agent may give (a word such as `forward`, or a phrase such
+as `take red apple from counter`), which the uniform-random baseline draws from and the expert answers
+with; `step()` receives whatever the model wrote and parses it as the environment likes.
 """
 from __future__ import annotations
 
@@ -43,7 +54,7 @@ from typing import Protocol, runtime_checkable
 REQUIRED_ATTRIBUTES = ("name", "actions")
 REQUIRED_METHODS = ("instructions", "reset", "mission", "step", "score", "summary")
 HOOKS = ("expert_action", "corpus", "save_state", "restore_state", "progress", "tools", "call_tool",
-         "setup_workspace", "score_workspace")
+         "setup_workspace", "score_workspace", "close")
 PAIRED = (("save_state", "restore_state"), ("tools", "call_tool"), ("setup_workspace", "score_workspace"))
 
 
@@ -65,10 +76,11 @@ class Score:
 @runtime_checkable
 class Environment(Protocol):
     name: str                              # e.g. the level id
-    actions: tuple[str, ...]               # the valid action words (used by a uniform-random baseline)
+    actions: tuple[str, ...]               # commands (words or phrases) a uniform-random baseline draws from
 
     def instructions(self) -> str: ...     # system-prompt text: what the agent is and how to answer
     def reset(self, seed: int) -> str: ... # start episode `seed` (deterministic), return first observation
+    #                                      (it may take `split` too: "train", "eval" or "demo")
     def mission(self) -> str: ...          # the current episode's task text
     def step(self, action: str) -> StepResult: ...  # `action`: the decoded completion (may hold junk)
     def score(self) -> Score | None: ...   # partial score of the state left behind; None: nothing to score

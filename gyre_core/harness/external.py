@@ -37,6 +37,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from ..envs import close_env, reset_env
 from ..envs.protocol import supports
 from ..records import STATUS_DONE, STATUS_FAILED, STATUS_TIMEOUT, ExecutionRecord
 from .loop import score_record
@@ -126,6 +127,7 @@ def score_agent(cfg, rec: ExecutionRecord, workspace: Path, env) -> ExecutionRec
         return rec
     finally:
         shutil.rmtree(workspace, ignore_errors=True)
+        close_env(env)
 
 
 def _run_agent(cfg, proxy, base_url: str, command: list[str], spec, env, workspace: Path, log_path: Path) -> ExecutionRecord:
@@ -137,7 +139,7 @@ def _run_agent(cfg, proxy, base_url: str, command: list[str], spec, env, workspa
         if not supports(env, "setup_workspace"):
             raise TypeError(f"environment {rec.env!r} has no setup_workspace/score_workspace hooks, which an "
                             "external harness (harness.command) needs")
-        env.reset(spec.seed)
+        reset_env(env, spec.seed, spec.split)
         task = env.setup_workspace(str(workspace))
     except Exception as exc:  # noqa: BLE001 - an environment that cannot even start
         return _failed(rec, f"{type(exc).__name__}: {exc}")

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Protocol
 
 from ..config import HarnessConfig
+from ..envs import close_env, reset_env
 from ..envs.protocol import StepResult, supports
 from ..records import (CallRecord, ExecutionRecord, STATUS_DONE, STATUS_FAILED, STATUS_TIMEOUT,
                        STATUS_TOKEN_LIMIT, STATUS_TURN_LIMIT)
@@ -127,7 +128,7 @@ class Execution:
         self._context_key = ""
         self._pending_obs: str | None = None
         try:
-            obs = env.reset(spec.seed)
+            obs = reset_env(env, spec.seed, spec.split)
             self.system = env.instructions()
             self._open_context(f"Mission: {env.mission()}\n{obs}", role="main")
         except Exception as exc:  # an environment that cannot even start
@@ -267,8 +268,12 @@ class Execution:
         self._close()
 
     def evaluate(self) -> None:
-        """The evaluator on what the execution left (run off the rollout's critical path by `run_executions`)."""
-        score_record(self.record, self.env.score, self.cfg.score_retries)
+        """The evaluator on what the execution left (run off the rollout's critical path by `run_executions`);
+        then the environment's `close()`."""
+        try:
+            score_record(self.record, self.env.score, self.cfg.score_retries)
+        finally:
+            close_env(self.env)
 
     def _fail(self, exc: BaseException) -> None:
         self.record.status = STATUS_FAILED
@@ -364,8 +369,9 @@ def run_executions(specs: list[ExecutionSpec], policy: Policy, cfg: HarnessConfi
         if ended is not None:
             ended(ex.record.execution_id)
         if ex.to_score:
-            evaluators.submit(i, ex)
+            evaluators.submit(i, ex)          # (closes the environment once scored)
         else:
+            close_env(ex.env)
             settle(i, ex.record)
 
     index = {id(s): i for i, s in enumerate(specs)}

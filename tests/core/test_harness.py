@@ -350,3 +350,61 @@ def test_a_fork_root_that_cannot_start_lets_its_children_start_afresh(tok):
     assert all(r.fork_of == "" or r.fork_of != "g0" for r in recs)
     with pytest.raises(ValueError, match="not whole trees"):
         fork_tree(group[:3], k=2, depth=2, window=(2, 3), rng=random.Random(0))
+
+
+class PhraseCorridor:
+    """The corridor with phrase commands, a `reset` told the split, and a `close` that counts."""
+
+    name = "phrase-corridor"
+    actions = ("walk forward", "walk back", "wait here", "say done")
+    words = dict(zip(actions, ScriptedEnv.actions))
+    closed: list[tuple[int, str]] = []
+
+    def __init__(self, length: int) -> None:
+        self.inner, self.split = ScriptedEnv(length=length), None
+
+    def instructions(self):
+        return "You walk a corridor; answer with one of: " + ", ".join(self.actions) + "."
+
+    def reset(self, seed, split):
+        self.split = split
+        return self.inner.reset(seed)
+
+    def step(self, action):
+        if self.inner._s["seed"] == 2 and self.inner._s["steps"] == 1:
+            raise RuntimeError("the game process died")
+        return self.inner.step(self.words.get(action.strip(), "no such command"))
+
+    def expert_action(self):
+        word = self.inner.expert_action()
+        return next(p for p, w in self.words.items() if w == word) if word else None
+
+    def mission(self):
+        return self.inner.mission()
+
+    def score(self):
+        return self.inner.score()
+
+    def summary(self):
+        return self.inner.summary()
+
+    def close(self):
+        PhraseCorridor.closed.append((self.inner._s["seed"], self.split))
+
+
+def test_phrase_actions_the_split_and_close_reach_the_environment(tok):
+    from gyre_core.envs import check_environment
+
+    assert check_environment(PhraseCorridor(length=3), seeds=(0, 1)) == []      # phrases keep the contract
+    PhraseCorridor.closed.clear()
+    fmt, stop = ChatFormat(tok), tok.convert_tokens_to_ids(IM_END)
+    splits = ["train", "eval-sampled", "demo", "control-demo", "eval-random"]
+    specs = [ExecutionSpec("r", 0, f"e{i}", "t", i, s) for i, s in enumerate(splits)]
+    recs = run_executions(specs, ExpertPolicy(tok, stop), HarnessConfig(max_turns=20, context_tokens=4096),
+                          lambda: PhraseCorridor(length=3), fmt, {stop: IM_END}, concurrency=2)
+    assert [r.status for r in recs] == ["done", "done", "failed", "done", "done"]
+    assert recs[2].error == "RuntimeError: the game process died"
+    for r in recs[:2] + recs[3:]:
+        assert r.success and [tok.decode(c.completion_ids[:-1]) for c in r.calls] == ["walk forward"] * 3
+    # every execution's environment closed exactly once, failed one included, each told its split
+    assert sorted(PhraseCorridor.closed) == [(0, "train"), (1, "eval"), (2, "demo"), (3, "demo"), (4, "eval")]
