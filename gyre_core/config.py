@@ -558,10 +558,37 @@ class GyreConfig(_Section):
                              "with harness.command")
         return self
 
+    @model_validator(mode="after")
+    def _paths_from_home(self):
+        """Relative data paths are relative to the Gyre home (`gyre_home()`): resolved once, here, so a run
+        reads and writes the same places whichever directory a later command or worker starts in."""
+        self.run.out_root = resolve_path(self.run.out_root)
+        self.lake.root = resolve_path(self.lake.root)
+        self.tracking.uri = resolve_path(self.tracking.uri)
+        if self.trainer.publish_root:
+            self.trainer.publish_root = resolve_path(self.trainer.publish_root)
+        return self
+
     def run_id(self) -> str:
         if self.run.name:
             return self.run.name
         return f"{self.run.replay}-replay" if self.run.replay else f"{self.preset}-s{self.run.seed}"
+
+
+def gyre_home() -> Path:
+    """Where relative data paths (`run.out_root`, `lake.root`, a local `tracking.uri`, `trainer.publish_root`)
+    live: $GYRE_HOME when set, else the current directory."""
+    return Path(os.environ.get("GYRE_HOME") or os.getcwd()).absolute()
+
+
+def resolve_path(path: str) -> str:
+    """`path` against `gyre_home()` when it is a relative local path (or a SQLite URI with a relative file);
+    URLs (s3://, http://, ...) and absolute paths as they are."""
+    if path.startswith("sqlite:///") and not path.startswith("sqlite:////"):
+        return "sqlite:///" + str(gyre_home() / path[len("sqlite:///"):])
+    if "://" in path or not path or Path(path).is_absolute():
+        return path
+    return str(gyre_home() / path)
 
 
 def apply_threads(cfg: GyreConfig) -> None:

@@ -96,7 +96,10 @@ def summarize(run_dir: str, started_at: float | None = None) -> dict:
     summary["logprob_mismatch_max"] = max((abs(m.get("train/logprob_mismatch", 0.0)) for m in per_step), default=0.0)
     t = tracker(run)
     exported = run.done("export_policy") or {}
-    summary["paths"] = {"run_dir": str(run.path), "lake": run.cfg.lake.root, "checkpoints": str(run.ckpt),
+    from .config import gyre_home
+
+    summary["paths"] = {"home": str(gyre_home()), "run_dir": str(run.path), "lake": run.cfg.lake.root,
+                        "checkpoints": str(run.ckpt),
                         "mlflow_uri": run.cfg.tracking.uri, "mlflow_run_id": t.run_id,
                         "mlflow_experiment_id": t.experiment_id, "mlflow_url": t.link()["url"],
                         # the newest policy as an HF directory in MLflow (phases.export.export_policy), if logged
@@ -286,6 +289,8 @@ def render_summary(s: dict) -> None:
     c = Console()
     c.print(t)
     p = s["paths"]
+    if p.get("home"):
+        c.print(f"home: {p['home']}   (relative data paths live here: $GYRE_HOME, else the current directory)")
     c.print(f"lake: {p['lake']}   (gyre sql \"SELECT * FROM executions LIMIT 5\" --run {s['run_id']})")
     c.print(f"checkpoints: {p['checkpoints']}")
     c.print(f"MLflow run {p['mlflow_run_id']} at {p['mlflow_uri']}   (mlflow ui --backend-store-uri {p['mlflow_uri']})")

@@ -235,3 +235,35 @@ def test_a_workers_allow_lists_refuse_other_code_before_it_runs(tmp_path, monkey
     with pytest.raises(ConfigError) as err:
         preflight(cfg)
     assert str(err.value) == f"env.target: {cfg.env.target!r} is not allowed on this machine (GYRE_ALLOW_ENVS='')"
+
+
+def test_relative_data_paths_live_in_the_gyre_home(tmp_path, monkeypatch):
+    """GYRE_HOME, else the current directory: resolved once when the config loads, so any later command or
+    worker finds the same run, lake and MLflow store; URLs and absolute paths stay as written."""
+    import yaml
+
+    from gyre_core.run import RunDir
+
+    home, elsewhere = tmp_path / "home", tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    monkeypatch.setenv("GYRE_HOME", str(home))
+    cfg = load_config("smoke", ["trainer.publish_root=pub", "lake.storage_options={}"])
+    assert (cfg.run.out_root, cfg.lake.root, cfg.trainer.publish_root) == (
+        str(home / "data/runs"), str(home / "data/lake"), str(home / "pub"))
+    assert cfg.tracking.uri == f"sqlite:///{home}/data/mlflow/mlflow.db"
+    kept = load_config("smoke", ["lake.root=s3://bucket/lake", f"run.out_root={tmp_path}/abs",
+                                 "tracking.uri=sqlite:////var/x.db"])
+    assert (kept.lake.root, kept.run.out_root, kept.tracking.uri) == ("s3://bucket/lake", f"{tmp_path}/abs",
+                                                                      "sqlite:////var/x.db")
+    monkeypatch.delenv("GYRE_HOME")
+    assert load_config("smoke").run.out_root == str(elsewhere / "data/runs")       # unset: the current directory
+    # a run whose config.yaml holds the paths relative (as earlier Gyre wrote them) is the same run
+    monkeypatch.setenv("GYRE_HOME", str(home))
+    run = RunDir.create(cfg)
+    old = yaml.safe_load((run.path / "config.yaml").read_text())
+    old["run"]["out_root"], old["lake"]["root"] = "data/runs", "data/lake"
+    (run.path / "config.yaml").write_text(yaml.safe_dump(old))
+    monkeypatch.chdir(home)
+    RunDir.check_reusable(load_config("smoke", ["trainer.publish_root=pub", "lake.storage_options={}"]))
