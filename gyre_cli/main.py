@@ -150,6 +150,7 @@ def cmd_evaluate(args) -> int:
     from gyre_core.phases.evaluate_checkpoint import check_label, format_result, is_mlflow_uri, resolve_local
     from gyre_core.config import ConfigError, load_config
     from gyre_core.run import CheckpointError
+    from gyre_ops.temporary_server import ServerStartError, prefect_api
 
     overrides = list(args.set or []) + ([f"eval.episodes={args.episodes}"] if args.episodes is not None else [])
     try:
@@ -164,8 +165,6 @@ def cmd_evaluate(args) -> int:
     try:
         if not is_mlflow_uri(args.checkpoint):       # a wrong path fails before Prefect starts
             resolve_local(args.checkpoint, cfg)
-        from gyre_ops.temporary_server import ServerStartError, prefect_api
-
         with prefect_api():
             from flows.evaluate import evaluate
 

@@ -23,7 +23,7 @@ import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from gyre_core.evaluation import paired_difference  # noqa: E402
+from gyre_core.evaluation import paired_binary, paired_difference  # noqa: E402
 from gyre_core.run import RunDir, eval_marker  # noqa: E402
 
 
@@ -88,6 +88,9 @@ def config_differences(run_dirs: list[Path]) -> list[str]:
 
 
 def _interval(first: list[float], second: list[float]) -> dict:
+    """The paired interval: Agresti–Min's for one run's 0/1 outcomes, the plain one for seeds averaged over runs."""
+    if all(x in (0, 1) for x in (*first, *second)):
+        return paired_binary([int(x) for x in first], [int(x) for x in second]).as_summary()
     return paired_difference(first, second).as_summary()
 
 
