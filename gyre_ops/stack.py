@@ -45,6 +45,8 @@ class StackSpec:
     device_sets: list[str] = field(default_factory=list)   # e.g. ["0,1", "2,3"]: one cell worker each
     deploy: bool = True
     zombie_after_s: int = 3 * HEARTBEAT_S
+    worker_poll_s: float = 10.0                        # how often a worker asks for flow runs (Prefect's default)
+    scheduler_loop_s: float = 60.0                     # how often the server schedules deployments' runs
 
     @property
     def api_url(self) -> str:
@@ -194,6 +196,8 @@ def _stack_env(spec: StackSpec, home: Path) -> dict[str, str]:
         "PREFECT_HOME": str(home / "prefect"), "PREFECT_API_URL": spec.api_url,
         "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "DO_NOT_TRACK": "1",
         "PREFECT_FLOWS_HEARTBEAT_FREQUENCY": str(HEARTBEAT_S),
+        "PREFECT_WORKER_QUERY_SECONDS": f"{spec.worker_poll_s:g}",
+        "PREFECT_SERVER_SERVICES_SCHEDULER_LOOP_SECONDS": f"{spec.scheduler_loop_s:g}",
         "MLFLOW_TRACKING_URI": spec.mlflow_url, "GYRE_HOME": str(ROOT),
     })
     return env

@@ -36,8 +36,10 @@ def stack(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("stack")
     # heartbeats come every 30 s; 60 s of silence marks a run Crashed (the shipped default is 90 s)
     # two CPU cell workers run the cell agents of elastic.launch=prefect
+    # workers poll every 2 s and the scheduler loops every 5 s (Prefect's defaults: 10 s and 60 s), so the
+    # tests wait on their subject, not on polling
     spec = StackSpec(home=tmp / "home", prefect_port=_free_port(), mlflow_port=_free_port(), zombie_after_s=60,
-                     device_sets=["cpu", "cpu"])
+                     device_sets=["cpu", "cpu"], worker_poll_s=2, scheduler_loop_s=5)
     state = up(spec, say=lambda m: None)
     try:
         yield spec, state, tmp
