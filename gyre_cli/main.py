@@ -74,6 +74,7 @@ def cmd_train(args) -> int:
     except (ConfigError, ValueError) as exc:
         print(f"gyre: config error: {exc}", file=sys.stderr)
         return 2
+    from gyre_core.engine.vllm import VLLMError
     from gyre_core.model import PolicyLoadError
     from gyre_core.run import CheckpointError
     from gyre_ops.temporary_server import ServerStartError, prefect_api
@@ -91,6 +92,9 @@ def cmd_train(args) -> int:
         return 2
     except (CheckpointError, PolicyLoadError) as exc:
         print(f"gyre: error: {exc}", file=sys.stderr)
+        return 1
+    except VLLMError as exc:                 # a server that died or could not start: a rerun starts a new one
+        print(f"gyre: error: {exc}; run the same command again to resume run '{cfg.run_id()}'", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         print(f"gyre: interrupted; run the same command again to resume run '{cfg.run_id()}'", file=sys.stderr)

@@ -327,6 +327,14 @@ class VLLMEngine:
         validate_requests([req])
         if seed is None:
             seed = mix_seed(self.seed, self._next_call(), 0)
+        import httpx
+
+        try:
+            yield from self._stream_lines(req, seed, cancel)
+        except httpx.HTTPError as e:        # the server died or the connection broke mid-stream
+            raise self._broken("/v1/completions (stream)", e) from None
+
+    def _stream_lines(self, req: GenRequest, seed: int, cancel: threading.Event | None):
         with self._http.stream("POST", "/v1/completions", json=self._body(req, seed, stream=True)) as resp:
             if resp.status_code != 200:
                 resp.read()
@@ -398,14 +406,19 @@ class VLLMEngine:
             self.server.stop()
 
     # ---- plumbing -------------------------------------------------------------------------------------
+    def _broken(self, path: str, e: Exception) -> VLLMError:
+        """A connection error as one line: what failed, and whether the server still runs (if not, the first
+        error of its log) and where its log is."""
+        state = "running" if self.server.alive() else f"dead: {self.server.last_error()}"
+        return VLLMError(f"vLLM {path}: {type(e).__name__}: {e} (server {state}; log {self.server.log_path})")
+
     def _post(self, path: str, body) -> dict:
         import httpx
 
         try:
             resp = self._http.post(path, json=body) if body is not None else self._http.post(path)
         except httpx.HTTPError as e:
-            state = "running" if self.server.alive() else f"dead: {self.server.last_error()}"
-            raise VLLMError(f"vLLM {path}: {type(e).__name__}: {e} (server {state}; log {self.server.log_path})") from None
+            raise self._broken(path, e) from None
         if resp.status_code != 200:
             cause = f" (server log: {self.server.last_error()})" if resp.status_code >= 500 else ""
             raise VLLMError(f"vLLM {path}: HTTP {resp.status_code}: {_detail(resp)}{cause}")

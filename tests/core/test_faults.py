@@ -187,16 +187,25 @@ def test_a_full_disk_stops_the_step_and_a_rerun_resumes_exactly(tmp_path, refere
     assert got == reference
 
 
-@pytest.mark.fault("a full disk, seen by `gyre train`", "one line naming the error and how to resume, rc 1")
-def test_gyre_train_says_a_full_disk_in_one_line(tmp_path, monkeypatch, capsys):
+@pytest.mark.fault("a full disk or a dead vLLM server, seen by `gyre train`", "one line naming the error and how "
+                   "to resume, rc 1")
+@pytest.mark.parametrize("what", ["full disk", "vLLM server dead"])
+def test_gyre_train_says_what_stopped_it_in_one_line(tmp_path, monkeypatch, capsys, what):
     import flows.train
-
-    from gyre_cli.main import main
-
-    def train(**kw):
-        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), f"{tmp_path}/lake/x.parquet")
     from prefect.context import refresh_global_settings_context
 
+    from gyre_cli.main import main
+    from gyre_core.engine.vllm import VLLMError
+
+    if what == "full disk":
+        error = OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), f"{tmp_path}/lake/x.parquet")
+        said = f"No space left on device writing {tmp_path}/lake/x.parquet; free some space and run the same"
+    else:
+        said = "vLLM /v1/completions (stream): RemoteProtocolError: peer closed (server dead: x; log y); run the same"
+        error = VLLMError(said.split("; run the same")[0])
+
+    def train(**kw):
+        raise error
     monkeypatch.setattr(flows.train, "train", train)
     monkeypatch.setenv("PREFECT_API_URL", "http://127.0.0.1:9/api")     # no server is started for this
     refresh_global_settings_context()
@@ -206,9 +215,8 @@ def test_gyre_train_says_a_full_disk_in_one_line(tmp_path, monkeypatch, capsys):
         monkeypatch.undo()
         refresh_global_settings_context()
     assert rc == 1
-    assert capsys.readouterr().err.splitlines() == [
-        f"gyre: error: No space left on device writing {tmp_path}/lake/x.parquet; free some space and run the "
-        "same command again to resume run 'smoke-s0'"]
+    [line] = capsys.readouterr().err.splitlines()
+    assert line.startswith("gyre: error: " + said) and line.endswith("resume run 'smoke-s0'"), line
 
 
 def test_the_fault_table_in_the_docs_is_the_tests_markers():

@@ -278,3 +278,27 @@ def test_the_openai_sdk_agent_through_the_proxy_on_vllm(engine, policy):
     for c in calls[:6]:
         ref = model_logprobs(model, c.prompt_ids + c.completion_ids)[len(c.prompt_ids) - 1:]
         assert max(abs(a - b) for a, b in zip(c.logprobs, ref)) < 1e-3
+
+
+@pytest.mark.fault("a vLLM server dies mid-call", "the call fails with one line naming the dead server and its log; "
+                   "every later call too, never a hang; `gyre train` prints it and how to resume")
+def test_a_server_killed_mid_stream_is_one_line_naming_it(server, policy):
+    """Last in this file: it kills the module's server (SIGKILL to its process group, as the OOM killer
+    would) while a long stream runs."""
+    import os
+    import signal
+
+    _, _, tok = policy
+    [p] = rand_prompts(1, 10, len(tok), seed=5)
+    no_stop = VLLMEngine(server, [0], seed=0)
+    stream = no_stop.stream(GenRequest("long", p, MAX_LEN - len(p) - 100, 1.0), seed=3)
+    got = [next(stream) for _ in range(5)]
+    assert len(got) == 5
+    os.killpg(server.proc.pid, signal.SIGKILL)
+    with pytest.raises(VLLMError) as info:
+        for _ in stream:
+            pass
+    msg = str(info.value)
+    assert "\n" not in msg and "(stream)" in msg and "server dead" in msg and str(server.log_path) in msg
+    with pytest.raises(VLLMError, match=r"server dead"):
+        no_stop.generate([GenRequest("after", p, 4, 1.0)])
