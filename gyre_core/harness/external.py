@@ -36,6 +36,7 @@ import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Callable
 
 from ..envs import close_env, reset_env
 from ..envs.protocol import supports
@@ -99,18 +100,25 @@ def run_external(cfg, chat, stop_texts: dict[int, str], engine, temperature: flo
 
         def one(spec):      # the agent's slot is free again while its workspace is scored
             env = make_env()
-            return evaluators.submit(scored, *run_agent(cfg, proxy, server.base_url, command, spec, env), env)
+            return evaluators.submit(scored, *run_agent(cfg, proxy, server.base_url, command, spec, env,
+                                                        serving=server.alive), env)
 
         return [f.result() for f in list(agents.map(one, specs))]
 
 
-def run_agent(cfg, proxy, base_url: str, command: list[str], spec, env) -> tuple[ExecutionRecord, Path]:
+def run_agent(cfg, proxy, base_url: str, command: list[str], spec, env,
+              serving: Callable[[], bool] | None = None) -> tuple[ExecutionRecord, Path]:
     """The agent's part of an execution: its record and the workspace it left, for `score_agent` (which
-    removes it). Its process group is gone when this returns."""
+    removes it). Its process group is gone when this returns. `serving`: whether the proxy still serves —
+    an agent that ended after the proxy stopped is failed with that reason (what it left is the proxy's
+    doing, not the policy's, and is not scored)."""
     workspace = Path(tempfile.mkdtemp(prefix="gyre-ws-"))
     log_path = workspace.parent / f"{workspace.name}.log"
     try:
-        return _run_agent(cfg, proxy, base_url, command, spec, env, workspace, log_path), workspace
+        rec = _run_agent(cfg, proxy, base_url, command, spec, env, workspace, log_path)
+        if serving is not None and not serving() and rec.status != STATUS_FAILED:
+            rec = _failed(rec, f"the proxy stopped serving while the agent ran: {_tail(log_path)}")
+        return rec, workspace
     except BaseException:
         shutil.rmtree(workspace, ignore_errors=True)
         raise

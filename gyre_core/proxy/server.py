@@ -311,6 +311,11 @@ class ProxyServer:
             time.sleep(0.01)
         return self
 
+    def alive(self) -> bool:
+        """Serving: started, not told to stop, its thread running."""
+        return (self._server is not None and not self._server.should_exit and self._thread is not None
+                and self._thread.is_alive())
+
     def stop(self) -> None:
         if self._server is not None:
             self._server.should_exit = True

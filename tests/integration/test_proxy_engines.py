@@ -173,3 +173,52 @@ def test_gyre_proxy_serves_a_model_and_writes_ended_executions_to_the_lake(tiny,
     rows = con.execute("SELECT call_index, prompt_len, len(completion_ids), prefix_len FROM calls ORDER BY 1").fetchall()
     (i0, p0, c0, _), (i1, p1, _, pre1) = rows
     assert (i0, i1) == (0, 1) and pre1 == p0 + c0 and p1 > pre1                 # the second call extends the first's exact ids
+
+
+@pytest.mark.fault("the recording proxy stops mid-call", "the executions in flight fail with that reason (not "
+                   "scored, not trained); none hangs; run_external returns every record")
+def test_a_proxy_that_stops_mid_run_fails_the_executions_in_flight(tiny, monkeypatch):
+    """The proxy's server is stopped from inside its third model call (on a thread: a handler cannot wait for
+    its own server). The agents then meet a closed port; every execution that ran past that point is failed
+    with the reason instead of being scored on what it left."""
+    import gyre_core.proxy as proxy_module
+
+    tok, model = tiny
+    cfg = load_config("proxy-smoke", ["harness.command=[python,examples/openai_agent.py,--max-turns,3,"
+                                      "--max-tokens,12,--compact-at,300]", "rollout.concurrency=4"])
+    stops = stop_token_ids(model, tok)
+    servers, calls = [], []
+    real_open = proxy_module.open_proxy
+
+    def open_proxy(*a, **k):
+        cm = real_open(*a, **k)
+
+        class Capture:
+            def __enter__(self):
+                out = cm.__enter__()
+                servers.append(out[1])
+                return out
+
+            def __exit__(self, *exc):
+                return cm.__exit__(*exc)
+        return Capture()
+    monkeypatch.setattr(proxy_module, "open_proxy", open_proxy)
+
+    class Stopping(LocalEngine):
+        def generate(self, requests):
+            calls.append(len(requests))
+            if len(calls) == 3:
+                threading.Thread(target=servers[0].stop, daemon=True).start()
+            return super().generate(requests)
+
+    eng = Stopping(model, stops, seed=0)
+    specs = [ExecutionSpec("r", 0, f"r/s0/t{i}/g0", f"seed{i}", i, "train") for i in range(4)]
+    records = run_external(cfg, ChatFormat(tok), {i: tok.decode([i]) for i in stops}, eng, 1.0, specs,
+                           lambda: load_env(cfg.env.target, **cfg.env.kwargs))
+    assert len(records) == 4 and not servers[0].alive()
+    # all four were in flight at the third call (each makes several): none is scored on what it left
+    assert [r.status for r in records] == ["failed"] * 4, [(r.status, r.error) for r in records]
+    reasons = [r.error.split(":")[0] for r in records]
+    assert set(reasons) <= {"the proxy stopped serving while the agent ran",
+                            "the agent exited with status 1 before any model call"}, reasons
+    assert "the proxy stopped serving while the agent ran" in reasons
