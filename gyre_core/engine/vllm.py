@@ -409,6 +409,12 @@ class VLLMEngine:
     def _broken(self, path: str, e: Exception) -> VLLMError:
         """A connection error as one line: what failed, and whether the server still runs (if not, the first
         error of its log) and where its log is."""
+        proc = self.server.proc
+        if proc is not None:
+            try:                # a connection cut by a dying server arrives a moment before its exit status
+                proc.wait(timeout=2)
+            except subprocess.TimeoutExpired:
+                pass
         state = "running" if self.server.alive() else f"dead: {self.server.last_error()}"
         return VLLMError(f"vLLM {path}: {type(e).__name__}: {e} (server {state}; log {self.server.log_path})")
 
