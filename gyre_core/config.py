@@ -204,6 +204,10 @@ class WarmStartConfig(_Section):
     """An imperfect demonstrator: at each turn the expert takes a uniformly random action with this
     probability (0: the env's expert as is). The warm start and the supervised control both learn from it
     (successful episodes only); RL is not bound by it."""
+    longer_than_a_call: Literal["error", "warn"] = "error"
+    """A demonstrated action longer than `harness.max_new_tokens` (the stop token included) is one the policy
+    can only produce cut. `error`: the warm start stops before training and names the limit that fits.
+    `warn`: it says so and trains on them anyway (a pipeline check that does not aim to learn)."""
 
 
 class RLConfig(_Section):

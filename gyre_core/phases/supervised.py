@@ -11,7 +11,7 @@ import math
 import random
 import time
 
-from ..config import DEMO_SEED_OFFSET
+from ..config import DEMO_SEED_OFFSET, ConfigError
 from ..run import CONTROL_DEMOS_PART, DEMOS_PART, RunDir, publish_marker
 from ..seeds import supervised_stream
 from ..ui import phase
@@ -32,8 +32,8 @@ def warm_start(run_dir: str) -> str:
         records = replayed_records(run, DEMOS_PART)
     else:
         records = demonstrations(run, seeds, "demo", "warm start: demonstrations")
-    over = _longer_than_a_call(records, cfg.harness.max_new_tokens)
     write_records(run, DEMOS_PART, records)
+    over = _longer_than_a_call(records, cfg.harness.max_new_tokens, ws.longer_than_a_call)
     good = [r for r in records if r.success]
     model, tok = training_model(cfg, run.policy0)
     trainer, losses, n_seq = behaviour_cloning(run, model, tok, good, "warm start: supervised steps", n_steps=ws.steps)
@@ -47,17 +47,24 @@ def warm_start(run_dir: str) -> str:
                                    "wall_s": time.time() - t0})["path"]
 
 
-def _longer_than_a_call(records: list, max_new_tokens: int) -> int:
-    """How many demonstrated calls are longer than the policy may generate in one call, said out loud: the
-    warm start would teach actions the rollouts then cut at `harness.max_new_tokens`."""
+def _longer_than_a_call(records: list, max_new_tokens: int, how: str) -> int:
+    """How many demonstrated calls are longer than the policy may generate in one call: the warm start would
+    teach actions every rollout cuts at `harness.max_new_tokens`. `warmstart.longer_than_a_call`: `error`
+    stops the run here, before any training, naming the limit that fits; `warn` says so and goes on."""
     lengths = [len(c.completion_ids) for r in records for c in r.calls]
     over = sum(n > max_new_tokens for n in lengths)
-    if over:
-        import sys
+    if not over:
+        return 0
+    what = (f"{over} of {len(lengths)} demonstrated actions are longer than harness.max_new_tokens="
+            f"{max_new_tokens} (up to {max(lengths)} tokens, the stop token included): the policy can only "
+            "produce them cut")
+    if how == "error":
+        raise ConfigError(f"harness.max_new_tokens: {what}; set harness.max_new_tokens={max(lengths)} or more "
+                          "(a changed config is a new run: --set run.name=NAME), or warmstart.longer_than_a_call"
+                          "=warn to train on them anyway")
+    import sys
 
-        print(f"gyre: {over} of {len(lengths)} demonstrated actions are longer than harness.max_new_tokens="
-              f"{max_new_tokens} (up to {max(lengths)} tokens): the policy can only produce them cut; raise "
-              f"harness.max_new_tokens", file=sys.stderr)
+    print(f"gyre: {what}; raise harness.max_new_tokens", file=sys.stderr)
     return over
 
 
