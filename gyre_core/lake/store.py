@@ -372,11 +372,14 @@ class Lake:
         for e in self.entries(table, run_id, part):
             try:
                 t = pq.read_table(e["path"], filesystem=self.fs, page_checksum_verification=True)
-            except (OSError, pa.ArrowException) as exc:      # a damaged page, past the footer's check
+            except (OSError, pa.ArrowException) as exc:      # a damaged page, past the footer's check, or I/O
                 if isinstance(exc, FileNotFoundError) or not self.fs.exists(e["path"]):
                     raise
-                self.quarantine(e["run_id"], e["part"], table, _unreadable(exc))
-                continue
+                problem = self._file_problem(e, deep=True)  # read it again, whole: is it the file?
+                if problem is not None:
+                    self.quarantine(e["run_id"], e["part"], table, problem)
+                    continue
+                t = pq.read_table(e["path"], filesystem=self.fs, page_checksum_verification=True)   # it was I/O
             if "step" in e:
                 t = t.filter(pc.equal(t.column("step"), e["step"]))
             tables.append(t)
