@@ -113,6 +113,13 @@ def _outcome(tmp: Path, cfg) -> dict:
             "checkpoints": sorted(p.name for p in run.ckpt.iterdir() if p.is_dir())}
 
 
+def _ends_as(reference: dict, got: dict, ledger) -> None:
+    """Count what the resumed run lost or duplicated against the reference, then require the same outcome."""
+    ledger.record(lost=sum(n for _, n, _ in reference["per_step"]) - sum(d for _, _, d in got["per_step"]),
+                  duplicated=sum(n - d for _, n, d in got["per_step"]))
+    assert got == reference
+
+
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("reference")
@@ -142,10 +149,7 @@ def test_sigkill_then_resume_ends_where_the_uninterrupted_run_ends(tmp_path, ref
     _run_steps(cfg)                                                         # the resume
     for tag, files in good.items():                                         # untouched by the fault or resume
         assert {f.name: _sha(f) for f in (run.ckpt / tag).iterdir() if f.is_file()} == files, tag
-    got = _outcome(tmp_path, cfg)
-    fault_ledger.record(lost=sum(n for _, n, _ in reference["per_step"]) - sum(d for _, _, d in got["per_step"]),
-                        duplicated=sum(n - d for _, n, d in got["per_step"]))
-    assert got == reference
+    _ends_as(reference, _outcome(tmp_path, cfg), fault_ledger)
 
 
 @pytest.mark.fault("a full disk", "for the lake / for checkpoints: the step stops with the OS error; a rerun "
@@ -181,10 +185,7 @@ def test_a_full_disk_stops_the_step_and_a_rerun_resumes_exactly(tmp_path, refere
     run = RunDir.open(RunDir.path_of(cfg))
     assert run.latest_version() == 1                          # step 0 finished, step 1 did not
     _run_steps(cfg)                                           # space again: the same command resumes
-    got = _outcome(tmp_path, cfg)
-    fault_ledger.record(lost=sum(n for _, n, _ in reference["per_step"]) - sum(d for _, _, d in got["per_step"]),
-                        duplicated=sum(n - d for _, n, d in got["per_step"]))
-    assert got == reference
+    _ends_as(reference, _outcome(tmp_path, cfg), fault_ledger)
 
 
 @pytest.mark.fault("a full disk or a dead vLLM server, seen by `gyre train`", "one line naming the error and how "
