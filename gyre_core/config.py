@@ -35,6 +35,8 @@ RUN_ID_CHARS = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
 OVERRIDE_KEY = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*")
 ENV_REF = re.compile(r"\$\{env:([A-Za-z_][A-Za-z0-9_]*)\}")      # a value read from the environment
 SECRET_NAME = re.compile(r"key|secret|token|passw|credential", re.IGNORECASE)
+NOT_SECRET_KEYS = {"SSEKMSKeyId", "sse_kms_key_id"}                    # names of keys, not keys
+NOT_SECRET_VALUES = {"anon", "google_default", "cloud", "browser", "cache"}   # gcsfs `token` modes
 
 
 class RunConfig(_Section):
@@ -322,7 +324,8 @@ class LakeConfig(_Section):
             if isinstance(value, dict):
                 for k, v in value.items():
                     walk(v, f"{where}.{k}")
-                    if SECRET_NAME.search(str(k)) and isinstance(v, str) and not ENV_REF.fullmatch(v):
+                    if (SECRET_NAME.search(str(k)) and isinstance(v, str) and not ENV_REF.fullmatch(v)
+                            and str(k) not in NOT_SECRET_KEYS and v not in NOT_SECRET_VALUES):
                         raise ValueError(f"lake.storage_options{where}.{k} holds a literal secret, which would be "
                                          f"written to config.yaml and MLflow: write \"${{env:NAME}}\" and set NAME "
                                          "in the environment (or use the AWS_* variables)")
@@ -568,7 +571,8 @@ class GyreConfig(_Section):
         reads and writes the same places whichever directory a later command or worker starts in."""
         self.run.out_root = resolve_path(self.run.out_root)
         self.lake.root = resolve_path(self.lake.root)
-        self.tracking.uri = resolve_path(self.tracking.uri)
+        if not self.tracking.uri.startswith("databricks"):     # MLflow's "databricks" / "databricks-uc"
+            self.tracking.uri = resolve_path(self.tracking.uri)
         if self.trainer.publish_root:
             self.trainer.publish_root = resolve_path(self.trainer.publish_root)
         return self
@@ -586,13 +590,16 @@ def gyre_home() -> Path:
 
 
 def resolve_path(path: str) -> str:
-    """`path` against `gyre_home()` when it is a relative local path (or a SQLite URI with a relative file);
-    URLs (s3://, http://, ...) and absolute paths as they are."""
+    """`path` against `gyre_home()` when it is a relative local path (`~` expanded), or a SQLite URI naming
+    a relative file; anything else with a scheme (s3://, http://, file:, databricks, sqlite:///:memory:)
+    and absolute paths as they are."""
     if path.startswith("sqlite:///") and not path.startswith("sqlite:////"):
-        return "sqlite:///" + str(gyre_home() / path[len("sqlite:///"):])
-    if "://" in path or not path or Path(path).is_absolute():
+        name = path[len("sqlite:///"):]
+        return path if name.startswith(":memory:") or not name else "sqlite:///" + resolve_path(name)
+    if not path or re.match(r"[A-Za-z][A-Za-z0-9+.-]+:", path):   # a URI (one letter: a Windows drive)
         return path
-    return str(gyre_home() / path)
+    local = Path(path).expanduser()
+    return str(local if local.is_absolute() else gyre_home() / local)
 
 
 def apply_threads(cfg: GyreConfig) -> None:

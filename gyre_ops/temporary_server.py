@@ -42,12 +42,18 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _die_with_parent() -> None:
-    """In the child, before exec: SIGTERM when the parent dies (Linux prctl PR_SET_PDEATHSIG)."""
-    if sys.platform.startswith("linux"):
-        import ctypes
+def _parent_death_signal():
+    """A function for the child to run before exec that asks Linux for SIGTERM when its parent dies
+    (prctl PR_SET_PDEATHSIG); looked up here, in the parent, so the child only calls it. None elsewhere."""
+    if not sys.platform.startswith("linux"):
+        return None
+    import ctypes
 
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)   # 1 = PR_SET_PDEATHSIG
+    prctl = ctypes.CDLL(None, use_errno=True).prctl
+
+    def set_it() -> None:
+        prctl(1, signal.SIGTERM)                                      # 1 = PR_SET_PDEATHSIG
+    return set_it
 
 
 def _answers(url: str) -> bool:
@@ -79,7 +85,7 @@ class TemporaryServer:
                     [sys.executable, "-m", "uvicorn", "--factory", "prefect.server.api.server:create_app",
                      "--host", "127.0.0.1", "--port", str(port), "--log-level", "error", "--lifespan", "on"],
                     env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                    start_new_session=True, preexec_fn=_die_with_parent)
+                    start_new_session=True, preexec_fn=_parent_death_signal())
             deadline = time.monotonic() + self.timeout_s
             while time.monotonic() < deadline and self.proc.poll() is None:
                 if _answers(self.url):
@@ -117,7 +123,11 @@ def prefect_api(say: Callable[[str], None] | None = None) -> Iterator[str]:
         return
     timeout = float(os.environ.get("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS") or DEFAULT_START_TIMEOUT_S)
     server = TemporaryServer(Path(settings.home), timeout)
-    url = server.start()
+    try:
+        url = server.start()
+    except BaseException:           # Ctrl-C while it starts: the server started so far stops too
+        server.stop()
+        raise
     (say or (lambda line: print(line, file=sys.stderr)))(f"gyre: temporary Prefect server on {url} "
                                                          "(it stops with this command)")
     before = os.environ.get("PREFECT_API_URL")

@@ -78,6 +78,7 @@ class PrefixGroups:
         opts._timeout = timeout
         if kind == "file":
             self._store = dist.FileStore(where, -1)
+            self._store.set_timeout(timeout)
             opts._devices = [dist.ProcessGroupGloo.create_device(hostname="127.0.0.1")]
         elif kind == "tcp":
             host, port = where.rsplit(":", 1)

@@ -22,7 +22,6 @@ from __future__ import annotations
 import os
 import queue
 import secrets
-import select
 import socket
 import struct
 import subprocess
@@ -190,12 +189,11 @@ class CellConnections:
             arrived.put((conn, hello))
 
         def accept() -> None:
+            server.settimeout(0.2)     # polls, so that `stop` is seen (select() fails past descriptor 1023)
             while not stop.is_set():
-                if not select.select([server], [], [], 0.2)[0]:
-                    continue
                 try:
                     sock, _ = server.accept()
-                except OSError:        # the dialer left before it was taken
+                except OSError:        # nobody dialled within 0.2 s, or the dialer left before it was taken
                     continue
                 threading.Thread(target=handshake, args=(sock,), daemon=True).start()
         acceptor = threading.Thread(target=accept, daemon=True)

@@ -409,8 +409,10 @@ class VLLMEngine:
     def _broken(self, path: str, e: Exception) -> VLLMError:
         """A connection error as one line: what failed, and whether the server still runs (if not, the first
         error of its log) and where its log is."""
+        import httpx
+
         proc = self.server.proc
-        if proc is not None:
+        if proc is not None and not isinstance(e, httpx.TimeoutException):
             try:                # a connection cut by a dying server arrives a moment before its exit status
                 proc.wait(timeout=2)
             except subprocess.TimeoutExpired:

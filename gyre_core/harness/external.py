@@ -100,8 +100,12 @@ def run_external(cfg, chat, stop_texts: dict[int, str], engine, temperature: flo
 
         def one(spec):      # the agent's slot is free again while its workspace is scored
             env = make_env()
-            return evaluators.submit(scored, *run_agent(cfg, proxy, server.base_url, command, spec, env,
-                                                        serving=server.alive), env)
+            try:
+                rec, workspace = run_agent(cfg, proxy, server.base_url, command, spec, env, serving=server.alive)
+            except BaseException:
+                close_env(env)
+                raise
+            return evaluators.submit(scored, rec, workspace, env)
 
         return [f.result() for f in list(agents.map(one, specs))]
 

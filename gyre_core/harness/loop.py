@@ -114,8 +114,9 @@ def fork_tree(group: list[ExecutionSpec], k: int, depth: int, window: tuple[int,
 class Execution:
     def __init__(self, spec: ExecutionSpec, env, fmt: ChatFormat, cfg: HarnessConfig, stop_texts: dict[int, str]):
         self.env, self.fmt, self.cfg, self.stop_texts = env, fmt, cfg, stop_texts
+        self._env_closed = False
         self._has_progress = supports(env, "progress")
-        self.tools = env.tools() if supports(env, "tools") else None   # OpenAI function schemas, or None
+        self.tools = None           # OpenAI function schemas, or None
         self.record = ExecutionRecord(
             run_id=spec.run_id, step=spec.step, execution_id=spec.execution_id, task_id=spec.task_id,
             seed=spec.seed, split=spec.split, env=getattr(env, "name", type(env).__name__),
@@ -128,6 +129,7 @@ class Execution:
         self._context_key = ""
         self._pending_obs: str | None = None
         try:
+            self.tools = env.tools() if supports(env, "tools") else None
             obs = reset_env(env, spec.seed, spec.split)
             self.system = env.instructions()
             self._open_context(f"Mission: {env.mission()}\n{obs}", role="main")
@@ -142,8 +144,12 @@ class Execution:
         copy, the same history and the same pending prompt. The first `fork_call` calls are shared."""
         child = copy.copy(self)
         env = make_env()
-        env.restore_state(self.env.save_state())
-        child.env = env
+        try:
+            env.restore_state(self.env.save_state())
+        except BaseException:
+            close_env(env)
+            raise
+        child.env, child._env_closed = env, False
         rec = self.record
         child.record = copy.copy(rec)
         child.record.execution_id = spec.execution_id
@@ -273,6 +279,12 @@ class Execution:
         try:
             score_record(self.record, self.env.score, self.cfg.score_retries)
         finally:
+            self.release_env()
+
+    def release_env(self) -> None:
+        """The environment's `close()`, once (whichever path ends the execution first)."""
+        if not self._env_closed:
+            self._env_closed = True
             close_env(self.env)
 
     def _fail(self, exc: BaseException) -> None:
@@ -371,10 +383,11 @@ def run_executions(specs: list[ExecutionSpec], policy: Policy, cfg: HarnessConfi
         if ex.to_score:
             evaluators.submit(i, ex)          # (closes the environment once scored)
         else:
-            close_env(ex.env)
+            ex.release_env()
             settle(i, ex.record)
 
     index = {id(s): i for i, s in enumerate(specs)}
+    made: list[Execution] = []                   # every execution started, so that each env is closed
     forks_due: dict[int, list[ForkEvent]] = {}   # live index -> its fork events still to come
 
     try:
@@ -383,6 +396,7 @@ def run_executions(specs: list[ExecutionSpec], policy: Policy, cfg: HarnessConfi
             while pending and len(live) < concurrency:
                 i, spec = pending.pop()
                 ex = Execution(spec, make_env(), fmt, cfg, stop_texts)
+                made.append(ex)
                 if spec.forks:
                     forks_due[i] = list(spec.forks)
                 if ex.finished:   # could not even start: its fork children start afresh
@@ -403,7 +417,9 @@ def run_executions(specs: list[ExecutionSpec], policy: Policy, cfg: HarnessConfi
                     # fork before this call is applied: the children share every earlier call and sample
                     # this decision again from a copy of the same state (the parent keeps its own sample)
                     for c in events.pop(0).children:
-                        still.append((index[id(c)], ex.fork(c, make_env)))
+                        child = ex.fork(c, make_env)
+                        made.append(child)
+                        still.append((index[id(c)], child))
                         if c.forks:
                             forks_due[index[id(c)]] = list(c.forks)
                 key_before = ex._context_key
@@ -420,4 +436,6 @@ def run_executions(specs: list[ExecutionSpec], policy: Policy, cfg: HarnessConfi
         evaluators.drain()
     finally:
         evaluators.close()
+        for ex in made:              # a batch that failed leaves environments open: close them (once)
+            ex.release_env()
     return [done[i] for i in range(len(specs))]

@@ -250,8 +250,11 @@ class Lake:
         i = table.schema.get_field_index("new_prompt_ids")
         return table.set_column(i, table.schema.field(i), pa.array(ids, type=table.schema.field(i).type))
 
-    def _remove_strays(self, d: str, keep: set[str], payloads: set[str] = frozenset()) -> int:
-        # Files of an earlier attempt that this one no longer lists (or a crashed temp file).
+    def _remove_strays(self, d: str, keep: set[str], payloads: set[str] = frozenset(),
+                       set_aside: bool = False) -> int:
+        """Files of an earlier attempt that this one no longer lists (or a crashed temp file) go. With
+        `set_aside` (a run's clean-up, where the manifest may be one that lost an entry) whole Parquet files
+        are moved to the quarantine instead of deleted."""
         removed = 0
         for p in self.fs.ls(d, detail=False):
             name = p.rstrip("/").rsplit("/", 1)[-1]
@@ -261,9 +264,9 @@ class Lake:
                         self.fs.rm(q, recursive=True)
                         removed += 1
             elif name not in keep:
-                if name.endswith(".parquet"):    # whole: maybe committed data a damaged manifest forgot
+                if set_aside and name.endswith(".parquet"):    # whole: maybe data its manifest forgot
                     self._set_aside(d, [p], "a whole Parquet file its part's manifest does not list")
-                else:                            # a writer's temporary file
+                else:
                     self.fs.rm(p, recursive=True)
                 removed += 1
         return removed
@@ -425,6 +428,8 @@ class Lake:
         except FileNotFoundError:
             return "missing"
         except Exception as e:  # noqa: BLE001 - whatever pyarrow says about a broken file
+            if _io_error(e):   # the store did not answer: nothing is known about the file
+                raise
             return _unreadable(e)
         if rows != entry["rows"]:
             return f"{rows} rows, its manifest says {entry['rows']}"
@@ -531,7 +536,8 @@ class Lake:
                 report["uncommitted_parts"] += 1
                 continue
             keep = {v["file"] for v in m["files"].values()} | {MANIFEST}
-            report["stray_files"] += self._remove_strays(d, keep, set(m.get("payloads", [])))
+            report["stray_files"] += self._remove_strays(d, keep, set(m.get("payloads", [])),
+                                                         set_aside="compacted_into" not in m)
             if p.startswith(COMPACTED):
                 report["compactions_finished"] += self._retire_covered(run_id, p, m)
         return report
@@ -623,6 +629,17 @@ def _check_table(name: str, table: pa.Table) -> None:
         if i < 0 or table.schema.field(i).type != f.type:
             got = "missing" if i < 0 else str(table.schema.field(i).type)
             raise ValueError(f"table {name!r}: column {f.name!r} should be {f.type}, is {got}")
+
+
+def _io_error(e: BaseException) -> bool:
+    """An error of the storage or the network, not of a file's bytes: pyarrow's decode and checksum errors
+    carry no errno; an OS or connection error does (or is a connection/timeout/permission error, or comes
+    from an HTTP client library)."""
+    if isinstance(e, (ConnectionError, TimeoutError, PermissionError)):
+        return True
+    if isinstance(e, OSError) and e.errno is not None:
+        return True
+    return type(e).__module__.split(".")[0] in ("botocore", "aiohttp", "urllib3", "requests", "httpx")
 
 
 def _unreadable(e: BaseException) -> str:

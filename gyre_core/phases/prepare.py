@@ -127,28 +127,45 @@ def promised_parts(run: RunDir) -> dict[str, str]:
 
 
 def reconcile_markers(run: RunDir, lake) -> list[str]:
-    """On resume, the completion markers and the lake must agree: a marker whose lake part is not committed
+    """On resume, the completion markers and the lake must agree. A marker whose lake part is not committed
     (its manifest was damaged or lost and the part set aside by `Lake.cleanup`, or the part deleted) is
     withdrawn — moved to `markers/withdrawn/`, never deleted — so that its phase runs again and writes the
-    part anew (rollout, score, process, an evaluation: from the same policy version and seeds). What cannot
-    be redone without changing the policy (the warm start's demonstrations, an elastic step) is said, and
-    the run goes on: the set-aside files are in the lake's `_quarantine/`. Returns what was said."""
+    part anew:
+
+    - a score, process or evaluation part: recomputed from what it was computed from (the same rows, the
+      same version and seeds);
+    - a step's rollout part, before the step trained: the step's rollout, score and process markers all go,
+      and the step is redone as if it had crashed;
+    - a step's rollout part after the step trained: rolled out again only where that reproduces it token
+      for token (`engine.kind=local`: the same version, seeds and deterministic kernels); on another engine
+      it would be a new sample, not what was trained, so it is said and left out, like the warm start's
+      demonstrations and an elastic step (rewriting those would mean training again).
+
+    What was set aside is under the lake's `_quarantine/`. Returns what was said."""
     committed = set(lake.parts(run.run_id))
-    said = []
-    stamp = time.strftime("%Y%m%dT%H%M%S")
-    for marker, part in promised_parts(run).items():
+    promised = promised_parts(run)
+    said, withdraw = [], []
+    for marker, part in promised.items():
         if part in committed:
             continue
-        if marker == "warm_start" or marker.startswith("elastic step"):
+        rollout = re.fullmatch(r"rollout_(\d+)", marker)
+        trained = rollout is not None and run.done(step_marker("train", int(rollout[1]))) is not None
+        if (marker == "warm_start" or marker.startswith("elastic step")
+                or (trained and run.cfg.engine.kind != "local")):
             said.append(f"gyre: run {run.run_id}: lake part {part} (of {marker.replace('_', ' ')}) is missing; it "
-                        "cannot be rewritten without training again, so the run goes on without it (what was "
-                        "set aside is under the lake's _quarantine/)")
-        else:
-            away = run.path / "markers" / "withdrawn" / f"{marker}-{stamp}.json"
-            away.parent.mkdir(exist_ok=True)
-            run.marker(marker).replace(away)
-            said.append(f"gyre: run {run.run_id}: lake part {part} is missing though {marker} was done; "
-                        f"that phase runs again (its marker moved to {away.relative_to(run.path)})")
+                        "cannot be rewritten as it was without training again, so the run goes on without it "
+                        "(what was set aside is under the lake's _quarantine/)")
+            continue
+        step_markers = ([step_marker(k, int(rollout[1])) for k in ("rollout", "score", "process")]
+                        if rollout is not None and not trained else [marker])
+        withdraw += [m for m in step_markers if run.done(m) is not None and m not in withdraw]
+        said.append(f"gyre: run {run.run_id}: lake part {part} is missing though {marker} was done; "
+                    f"{', '.join(step_markers)} run again")
+    stamp = time.strftime("%Y%m%dT%H%M%S")
+    for marker in withdraw:
+        away = run.path / "markers" / "withdrawn" / f"{marker}-{stamp}.json"
+        away.parent.mkdir(exist_ok=True)
+        run.marker(marker).replace(away)
     for line in said:
         print(line, file=sys.stderr)
     return said

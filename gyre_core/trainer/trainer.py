@@ -61,6 +61,11 @@ def init_distributed() -> None:
             os.environ.setdefault("NCCL_SOCKET_IFNAME", lo)
         os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1")
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+    else:                                   # a launcher's group: what it left out, as torch's env init needs
+        os.environ.setdefault("MASTER_PORT", "29500")
+        for k in ("RANK", "LOCAL_RANK"):
+            os.environ.setdefault(k, "0")
+        os.environ.setdefault("WORLD_SIZE", "1")
     deepspeed.init_distributed(dist_backend=backend, verbose=False)
 
 

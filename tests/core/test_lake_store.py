@@ -275,6 +275,9 @@ def test_compaction_keeps_query_results(where):
     assert compact(lake, "run1")["compactions"] == []       # nothing new to merge
     more = compact(lake, "run1", include_latest=True)        # the run is over: its last step too
     assert more["parts"] == 2 and [_sql(where, q) for q in QUERIES] == before
+    # the merged files are gone, not kept aside: a compaction frees their space (and a clean-up after it too)
+    lake.cleanup("run1")
+    assert not lake.fs.exists(f"{lake.path}/_quarantine")
 
 
 def test_interrupted_compaction_never_shows_rows_twice(where):
