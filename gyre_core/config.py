@@ -569,18 +569,20 @@ class GyreConfig(_Section):
     def _paths_from_home(self):
         """Relative data paths are relative to the Gyre home (`gyre_home()`): resolved once, here, so a run
         reads and writes the same places whichever directory a later command or worker starts in."""
-        self.run.out_root = resolve_path(self.run.out_root)
-        self.lake.root = resolve_path(self.lake.root)
-        if not self.tracking.uri.startswith("databricks"):     # MLflow's "databricks" / "databricks-uc"
-            self.tracking.uri = resolve_path(self.tracking.uri)
-        if self.trainer.publish_root:
-            self.trainer.publish_root = resolve_path(self.trainer.publish_root)
+        for section, key in DATA_PATHS:
+            value = getattr(getattr(self, section), key)
+            if value:
+                setattr(getattr(self, section), key, resolve_path(value))
         return self
 
     def run_id(self) -> str:
         if self.run.name:
             return self.run.name
         return f"{self.run.replay}-replay" if self.run.replay else f"{self.preset}-s{self.run.seed}"
+
+
+DATA_PATHS = (("run", "out_root"), ("lake", "root"), ("tracking", "uri"), ("trainer", "publish_root"))
+"""(section, field) of every path that `resolve_path` puts under the Gyre home."""
 
 
 def gyre_home() -> Path:
@@ -591,12 +593,14 @@ def gyre_home() -> Path:
 
 def resolve_path(path: str) -> str:
     """`path` against `gyre_home()` when it is a relative local path (`~` expanded), or a SQLite URI naming
-    a relative file; anything else with a scheme (s3://, http://, file:, databricks, sqlite:///:memory:)
-    and absolute paths as they are."""
+    a relative file; anything else with a scheme (s3://, http://, file:, sqlite:///:memory:), MLflow's
+    `databricks` / `databricks-uc`, and absolute paths as they are."""
     if path.startswith("sqlite:///") and not path.startswith("sqlite:////"):
         name = path[len("sqlite:///"):]
         return path if name.startswith(":memory:") or not name else "sqlite:///" + resolve_path(name)
     if not path or re.match(r"[A-Za-z][A-Za-z0-9+.-]+:", path):   # a URI (one letter: a Windows drive)
+        return path
+    if re.fullmatch(r"databricks(-uc)?", path):                    # MLflow's tracking URIs without a colon
         return path
     local = Path(path).expanduser()
     return str(local if local.is_absolute() else gyre_home() / local)

@@ -198,12 +198,12 @@ class RunDir:
 def _without_steps(cfg: dict) -> dict:
     """Config fields that may change on resume (the number of RL steps) are not compared; data paths are
     compared resolved (a run made when they were stored relative reads as the same run)."""
-    from .config import resolve_path
+    from .config import DATA_PATHS, resolve_path
 
     c = json.loads(json.dumps(cfg))
     c.get("rl", {}).pop("steps", None)
     c.pop("preset", None)
-    for section, key in (("run", "out_root"), ("lake", "root"), ("tracking", "uri"), ("trainer", "publish_root")):
+    for section, key in DATA_PATHS:
         if isinstance(c.get(section, {}).get(key), str):
             c[section][key] = resolve_path(c[section][key])
     return c

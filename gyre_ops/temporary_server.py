@@ -21,7 +21,6 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -29,17 +28,13 @@ import urllib.request
 from pathlib import Path
 from typing import Callable, Iterator
 
+from gyre_core.engine.vllm import _free_port
+
 DEFAULT_START_TIMEOUT_S = 60.0
 
 
 class ServerStartError(RuntimeError):
     """The temporary server did not answer, twice. The message is one line saying what to do."""
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _parent_death_signal():

@@ -29,7 +29,7 @@ from gyre_core.envs.protocol import (
 )
 
 __all__ = [
-    "HOOKS", "SPLITS", "Environment", "Score", "StepResult", "check_environment", "close_env", "configured_env",
+    "HOOKS", "Environment", "Score", "StepResult", "check_environment", "close_env", "configured_env",
     "load_env", "missing_members", "reset_env", "split_of", "supports",
 ]
 
@@ -83,9 +83,6 @@ def load_env(target: str, **kwargs: Any) -> Environment:
     return env
 
 
-SPLITS = ("train", "eval", "demo")
-
-
 def split_of(execution_split: str) -> str:
     """The split an environment is told, from an execution's: "train" (RL), "eval" (held-out evaluations:
     eval-sampled, eval-greedy, eval-random) or "demo" (demonstrations: the warm start's and the control's)."""
@@ -112,10 +109,9 @@ _RESET_TAKES_SPLIT: dict[type, bool] = {}
 def close_env(env) -> None:
     """The environment's optional `close()`, once an execution is over (scored or failed): an interpreter, a
     container or a game process held per execution is let go. What `close()` raises is said, never fatal."""
-    close = getattr(env, "close", None)
-    if callable(close):
+    if supports(env, "close"):
         try:
-            close()
+            env.close()
         except Exception as exc:  # noqa: BLE001 - a failing close must not lose the execution
             print(f"gyre: {getattr(env, 'name', type(env).__name__)}.close() raised {type(exc).__name__}: {exc}",
                   file=sys.stderr)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import copy
 import time
+import weakref
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from typing import Callable, Protocol
@@ -387,7 +388,9 @@ def run_executions(specs: list[ExecutionSpec], policy: Policy, cfg: HarnessConfi
             settle(i, ex.record)
 
     index = {id(s): i for i, s in enumerate(specs)}
-    made: list[Execution] = []                   # every execution started, so that each env is closed
+    # every execution started and still referenced (live, or waiting for its evaluator): on a failure their
+    # environments are closed; one that has ended and been settled drops out, its environment with it
+    made: weakref.WeakSet[Execution] = weakref.WeakSet()
     forks_due: dict[int, list[ForkEvent]] = {}   # live index -> its fork events still to come
 
     try:
@@ -396,7 +399,7 @@ def run_executions(specs: list[ExecutionSpec], policy: Policy, cfg: HarnessConfi
             while pending and len(live) < concurrency:
                 i, spec = pending.pop()
                 ex = Execution(spec, make_env(), fmt, cfg, stop_texts)
-                made.append(ex)
+                made.add(ex)
                 if spec.forks:
                     forks_due[i] = list(spec.forks)
                 if ex.finished:   # could not even start: its fork children start afresh
@@ -418,7 +421,7 @@ def run_executions(specs: list[ExecutionSpec], policy: Policy, cfg: HarnessConfi
                     # this decision again from a copy of the same state (the parent keeps its own sample)
                     for c in events.pop(0).children:
                         child = ex.fork(c, make_env)
-                        made.append(child)
+                        made.add(child)
                         still.append((index[id(c)], child))
                         if c.forks:
                             forks_due[index[id(c)]] = list(c.forks)
@@ -436,6 +439,6 @@ def run_executions(specs: list[ExecutionSpec], policy: Policy, cfg: HarnessConfi
         evaluators.drain()
     finally:
         evaluators.close()
-        for ex in made:              # a batch that failed leaves environments open: close them (once)
+        for ex in list(made):        # a batch that failed leaves environments open: close them (once)
             ex.release_env()
     return [done[i] for i in range(len(specs))]

@@ -165,6 +165,7 @@ class HarnessWork:
         """Bursts `first_step` .. `steps` − 1; a resumed run starts at its newest published version."""
         self.run = RunDir.open(run_dir)
         self.cfg = self.run.cfg
+        self.vocab_size = self.run.vocab_size()      # token ids of every group are checked against it
         self.steps, self.first_step, self.threads = steps, first_step, self.cfg.elastic.devices_per_cell
         self.switch_to_train_s = self.switch_to_rollout_s = 0.0    # real cells do the real work
         self.records: list = []
@@ -254,8 +255,7 @@ class HarnessWork:
                 report(rec.step, [])          # finished; it trains with its group (advantages need all of it)
                 return
             del self._groups[rec.task_id]
-        report(rec.step, group_items(group, self.cfg, sampling_seed(self.cfg.run.seed, rec.step),
-                                     self.run.vocab_size()))
+        report(rec.step, group_items(group, self.cfg, sampling_seed(self.cfg.run.seed, rec.step), self.vocab_size))
 
     def micro_work(self, ms):
         return ms
