@@ -15,6 +15,9 @@ numbers, not verdicts. `--sections` picks some; `--out DIR` also writes each sec
   `Trainer`) on the GPU, for the presets' tiny model and a wider one.
 - `elastic`: the pipeline on the GPU: `prepare` + warm start (supervised steps on the GPU), then real
   K = 2 cells sharing the one GPU (`elastic.devices=2`) under `colocated` and `elastic`.
+- `cell_devices`: a cell's trainer over its GPUs (`trainer.replicas.DeviceReplicas`): one burst of packed
+  micro-steps shared out over every GPU torch sees (on a one-GPU host, two threads on the same GPU) against
+  the same burst on the trainer's GPU alone: gradient error, and seconds of each.
 - `kernels`: forward + backward of the same packed pieces with each tree-attention kernel (flex, sparse,
   dense mask) beside the flat batches, for both models — to see where packed training spends its time.
   Minutes: the sparse kernel is the CPU's design (many small launches) and each flex length compiles.
@@ -36,7 +39,7 @@ from bench.processor_packing import MODEL_DIMS, bench_packing, branching_workloa
 
 WIDE_DIMS = {"hidden_size": 1024, "num_layers": 8, "num_heads": 16, "num_kv_heads": 4, "ffn_size": 4096,
              "vocab_size": 512}
-SECTIONS = ("tree_attention", "trainer", "engine", "elastic", "packing_speed", "kernels")
+SECTIONS = ("tree_attention", "trainer", "engine", "elastic", "cell_devices", "packing_speed", "kernels")
 
 
 def _sync() -> None:
@@ -131,6 +134,47 @@ def check_trainer(device: str = "cuda", lr: float = 1e-3) -> dict:
             "loss_cpu": loss.item(), "grad_rel_err": _rel_err(g, g_ref), "grad_norm_gpu": gnorm,
             "grad_norm_cpu": ref_norm, "update_max_abs_err_over_lr": upd_err / lr,
             "saturated_frac": sum(int(s.sum()) for s in sat.values()) / sum(s.numel() for s in sat.values())}
+
+
+def check_cell_devices(device: str = "cuda", repeats: int = 3) -> dict:
+    """A cell's trainer with gradient replicas on its other GPUs vs the trainer alone, same packed chunks."""
+    from gyre_core.trainer.packing import pack_branches
+    from gyre_core.trainer.replicas import DeviceReplicas
+    from gyre_core.trainer.trainer import Trainer
+
+    dims = WIDE_DIMS if device.startswith("cuda") else MODEL_DIMS    # CPU: the tests' quick path
+    seqs = branching_workload(G=8, K=2, turns=(6, 10), fork_turns=(3,), prompt_tokens=60, obs_tokens=(8, 12),
+                              vocab=dims["vocab_size"], seed=5)
+    chunks = [[t] for t in pack_branches(seqs, max_tokens=512)]
+    gpus = torch.cuda.device_count() if device.startswith("cuda") else 0
+    others = [f"cuda:{i}" for i in range(1, gpus)] or [device]   # one GPU: a second thread on it
+    kw = dict(objective="ppo", clip_low=0.2, clip_high=0.28)
+
+    def burst(tr, reps) -> tuple[dict, float]:
+        best = float("inf")
+        for _ in range(repeats):
+            tr.zero_gradients()
+            _sync()
+            t0 = time.perf_counter()
+            if reps is None:
+                for c in chunks:
+                    tr.micro_step(c, 1.0, last=False, **kw)
+            else:
+                reps.micro_steps(chunks, **kw)
+            _sync()
+            best = min(best, time.perf_counter() - t0)
+        return {n: g.double().cpu() for n, g in tr.gradients().items()}, best
+
+    model = tiny_model(dims, torch.float32, 4).to(device)
+    one = Trainer(copy.deepcopy(model), lr=1e-4, zero_stage=1)
+    g_one, s_one = burst(one, None)
+    wide = Trainer(copy.deepcopy(model), lr=1e-4, zero_stage=1)
+    reps = DeviceReplicas(wide, others)
+    g_wide, s_wide = burst(wide, reps)
+    reps.close()
+    return {"gpus": gpus, "replica_devices": others, "parallel": reps.parallel, "chunks": len(chunks),
+            "chunks_by_device": reps.shares, "grad_rel_err": _rel_err(g_wide, g_one),
+            "one_device_s": s_one, "replicas_s": s_wide, "speedup": s_one / s_wide}
 
 
 def check_engine(device: str = "cuda", n_prompts: int = 64, turns: int = 4, new_tokens: int = 16) -> dict:
@@ -263,6 +307,7 @@ def check_elastic(device: str = "cuda", steps: int = 3, root: str | None = None)
 
 
 CHECKS = {"tree_attention": check_tree_attention, "trainer": check_trainer, "engine": check_engine,
+          "cell_devices": check_cell_devices,
           "packing_speed": check_packing_speed, "elastic": check_elastic, "kernels": check_kernels}
 
 

@@ -127,6 +127,17 @@ class EmulatedDevice:
         self.version = version
 
 
+def other_devices(device) -> list[str]:
+    """The GPUs a cell trains on besides `device` (its model's): every other GPU it sees — a cell process
+    sees its own slice (CUDA_VISIBLE_DEVICES). None on CPU: a CPU cell trains on one device with its
+    `devices_per_cell` threads."""
+    import torch
+
+    if device.type != "cuda":
+        return []
+    return [f"cuda:{i}" for i in range(torch.cuda.device_count()) if i != (device.index or 0)]
+
+
 class RealDevice:
     """The cell's model, shared by its engine (rollout) and its trainer (train) — one copy per device,
     as on a GPU. Rollout decodes one token for every live call per forward (with the engine's per-context
@@ -150,11 +161,12 @@ class RealDevice:
         self.groups = groups
         model, tok = load_policy(policy_dir, dtype=getattr(torch, self.train_kw.get("dtype", "float32")),
                                  device=self.train_kw.get("device", "cpu"))
-        # sent in the hello (result.cell_devices); a cell of several GPUs trains on its first one and says so
-        gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        # sent in the hello (result.cell_devices): where the cell computes, and on how many devices it trains
+        self.replica_devices = other_devices(next(model.parameters()).device)
         self.label = f"real/{next(model.parameters()).device}"
-        if gpus > 1:
-            self.label += f" (trains on 1 of {gpus} GPUs)"
+        if self.replica_devices:
+            self.label += f" (trains data-parallel on {1 + len(self.replica_devices)} GPUs)"
+        self.replicas = None
         self.pad_id = tok.pad_token_id or 0
         self.vocab_size = len(tok)
         self.engine = LocalEngine(model, stop_token_ids(model, tok), version=0, seed=cell_stream(seed, cell))
@@ -188,6 +200,12 @@ class RealDevice:
                                    optimizer=kw.get("optimizer", "adamw"), grad_clip=kw["grad_clip"],
                                    pad_id=self.pad_id,
                                    gradient_checkpointing=kw.get("gradient_checkpointing", False))
+            if self.replica_devices:      # the cell's other GPUs compute gradients for this trainer
+                from ..trainer.replicas import DeviceReplicas
+
+                if self.replicas is not None:
+                    self.replicas.close()
+                self.replicas = DeviceReplicas(self.trainer, self.replica_devices)
         return self.trainer
 
     # -- rollout ---------------------------------------------------------------------------------
@@ -235,8 +253,10 @@ class RealDevice:
 
         self._sync()
         tr, kw = self._trainer(), self.train_kw
+        if self.replicas is not None:
+            self.replicas.follow(self.version)
         stats = train_micro_step(tr, ms, max_tokens=kw["micro_batch_tokens"], packed=kw.get("packed", False),
-                                 objective="decoupled",
+                                 replicas=self.replicas, objective="decoupled",
                                  temperature=kw["temperature"], clip_low=kw["clip_low"], clip_high=kw["clip_high"],
                                  is_cap=kw["is_cap"], negative_scale=kw["negative_scale"],
                                  entropy_coef=kw.get("entropy_coef", 0.0))

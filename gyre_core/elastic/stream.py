@@ -360,7 +360,7 @@ class MicroStepQueue:
 
 
 # -- training a micro-step on a Trainer --------------------------------------------------------------
-def train_micro_step(trainer, ms: MicroStep, *, max_tokens: int, packed: bool = False,
+def train_micro_step(trainer, ms: MicroStep, *, max_tokens: int, packed: bool = False, replicas=None,
                      **loss_kw) -> dict[str, float]:
     """Forward + backward of one micro-step's executions on `trainer`; the gradient accumulates.
 
@@ -368,7 +368,9 @@ def train_micro_step(trainer, ms: MicroStep, *, max_tokens: int, packed: bool = 
     trainable tokens; the normaliser is 1 here and 1/N comes once in `finish_step`. No chunk is `last`:
     the accumulation is closed by `finish_step`. `packed` trains tree-packed rows (`pack_branches`), else
     padded length-sorted chunks (`micro_batches`); `loss_kw` goes to `Trainer.micro_step` (objective,
-    temperature, clip_low, clip_high, is_cap, ...). Returns the summed stats of its chunks.
+    temperature, clip_low, clip_high, is_cap, ...). `replicas`: the trainer's `DeviceReplicas` (a cell of
+    several devices), which share the chunks out over the cell's devices. Returns the summed stats of its
+    chunks.
     """
     from ..processor.batch import micro_batches
 
@@ -380,6 +382,8 @@ def train_micro_step(trainer, ms: MicroStep, *, max_tokens: int, packed: bool = 
     else:
         chunks = micro_batches(seqs, max_tokens)
     totals: dict[str, float] = {"executions": float(ms.n_executions)}
+    if replicas is not None:
+        return {**replicas.micro_steps(chunks, **loss_kw), **totals}
     for chunk in chunks:
         for key, v in trainer.micro_step(chunk, 1.0, last=False, **loss_kw).items():
             totals[key] = totals.get(key, 0.0) + v

@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import os
 import socket
+import threading
 
 import torch
 
@@ -75,6 +76,9 @@ def loopback_interface() -> str | None:
     return next((n for n in ("lo", "lo0") if n in names), None)
 
 
+_DETERMINISTIC = {"lock": threading.Lock(), "depth": 0, "saved": None}
+
+
 @contextlib.contextmanager
 def _reproducible(device: torch.device):
     """Deterministic kernels for one CPU forward + backward, then the process's own setting back.
@@ -83,21 +87,31 @@ def _reproducible(device: torch.device):
     thread-dependent order: two runs of one update differed by ~1 ulp, so a resumed or replayed run drifted
     from the original. The cost is ~1% of an update (`bench/deterministic_update.py`). Scoped, not
     process-wide: set process-wide, the test suite's process grew to 21 GB; the flag also fills every
-    `torch.empty` (the likely cause), so that filling stays off here."""
+    `torch.empty` (the likely cause), so that filling stays off here. The flag is the process's: when
+    several threads train at once (`replicas.DeviceReplicas`), the first to enter sets it and the last to
+    leave puts the process's own setting back."""
     if device.type != "cpu":
         yield
         return
     import torch.utils.deterministic as det
 
-    was, warn_only, fill = (torch.are_deterministic_algorithms_enabled(),
-                            torch.is_deterministic_algorithms_warn_only_enabled(), det.fill_uninitialized_memory)
-    torch.use_deterministic_algorithms(True, warn_only=True)
-    det.fill_uninitialized_memory = False
+    state = _DETERMINISTIC
+    with state["lock"]:
+        if state["depth"] == 0:
+            state["saved"] = (torch.are_deterministic_algorithms_enabled(),
+                              torch.is_deterministic_algorithms_warn_only_enabled(), det.fill_uninitialized_memory)
+            torch.use_deterministic_algorithms(True, warn_only=True)
+            det.fill_uninitialized_memory = False
+        state["depth"] += 1
     try:
         yield
     finally:
-        torch.use_deterministic_algorithms(was, warn_only=warn_only)
-        det.fill_uninitialized_memory = fill
+        with state["lock"]:
+            state["depth"] -= 1
+            if state["depth"] == 0:
+                was, warn_only, fill = state["saved"]
+                torch.use_deterministic_algorithms(was, warn_only=warn_only)
+                det.fill_uninitialized_memory = fill
 
 
 def _checkpoint_without_dropout(model) -> None:
@@ -116,6 +130,32 @@ def _checkpoint_without_dropout(model) -> None:
     else:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.train()
+
+
+def policy_loss(forward, c, normaliser: float, *, objective: str = "ppo", temperature: float = 1.0,
+                clip_low: float = 0.2, clip_high: float = 0.28, negative_scale: float = 1.0, is_cap: float = 2.0,
+                prox_logprobs=None, entropy_coef: float = 0.0) -> tuple[torch.Tensor, dict[str, float]]:
+    """The loss of one collated micro-batch `c` under `forward` (a model, or DeepSpeed's engine around it)
+    and its sums over the scored tokens; the caller back-propagates it (`Trainer.micro_step`, or a gradient
+    replica on another device, `replicas.DeviceReplicas`). Arguments as `Trainer.micro_step`'s."""
+    out = forward(**c.model_inputs())
+    logp, entropy = token_logprobs(out.logits, c, temperature)
+    if objective == "ppo":
+        loss, stats = ppo_clip_loss(logp, c, clip_low, clip_high, normaliser, negative_scale)
+    elif objective == "decoupled":
+        prox = None if prox_logprobs is None else torch.as_tensor(prox_logprobs, dtype=torch.float64,
+                                                                      device=logp.device)
+        loss, stats = decoupled_ppo_loss(logp, c, clip_low, clip_high, normaliser, is_cap=is_cap,
+                                         prox_logprobs=prox, negative_scale=negative_scale)
+    elif objective == "nll":
+        loss, stats = nll_loss(logp, c, normaliser)
+    else:
+        raise ValueError(f"objective must be 'ppo', 'decoupled' or 'nll', got {objective!r}")
+    if entropy_coef:
+        loss = loss - entropy_coef * (c.weights * entropy.to(c.weights.dtype)).sum() / normaliser
+    stats.update(loss=loss.item(), tokens=float(c.tgt.numel()), entropy=entropy.detach().sum().item(),
+                 nll=-logp.detach().sum().item())
+    return loss, stats
 
 
 class Trainer:
@@ -177,26 +217,12 @@ class Trainer:
         with _reproducible(self.device):
             c = self._collate(seqs)
             self.engine.set_gradient_accumulation_boundary(last)
-            out = self.engine(**c.model_inputs())
-            logp, entropy = token_logprobs(out.logits, c, temperature)
-            if objective == "ppo":
-                loss, stats = ppo_clip_loss(logp, c, clip_low, clip_high, normaliser, negative_scale)
-            elif objective == "decoupled":
-                prox = None if prox_logprobs is None else torch.as_tensor(prox_logprobs, dtype=torch.float64,
-                                                                              device=self.device)
-                loss, stats = decoupled_ppo_loss(logp, c, clip_low, clip_high, normaliser, is_cap=is_cap,
-                                                 prox_logprobs=prox, negative_scale=negative_scale)
-            elif objective == "nll":
-                loss, stats = nll_loss(logp, c, normaliser)
-            else:
-                raise ValueError(f"objective must be 'ppo', 'decoupled' or 'nll', got {objective!r}")
-            if entropy_coef:
-                loss = loss - entropy_coef * (c.weights * entropy.to(c.weights.dtype)).sum() / normaliser
+            loss, stats = policy_loss(self.engine, c, normaliser, objective=objective, temperature=temperature,
+                                      clip_low=clip_low, clip_high=clip_high, negative_scale=negative_scale,
+                                      is_cap=is_cap, prox_logprobs=prox_logprobs, entropy_coef=entropy_coef)
             self.engine.backward(loss)
             self._pending = True
             self._closed = self._closed or last
-            stats.update(loss=loss.item(), tokens=float(c.tgt.numel()), entropy=entropy.detach().sum().item(),
-                         nll=-logp.detach().sum().item())
             return stats
 
     @torch.no_grad()

@@ -365,3 +365,103 @@ def test_the_kl_guard_redoes_the_streamed_update_at_the_step_loops_rate(tmp_path
     t, stats = guarded(max_kl=1e-30, backtracks=3)                        # never met: the last try is kept
     assert stats["kl_backtracks"] == 3 and stats["kl"] > 1e-30
     _assert_same(t, plain[3][0].model, atol=1e-6)
+
+
+def test_share_out_balances_padded_tokens_longest_first():
+    from gyre_core.trainer.replicas import share_out
+
+    # by hand, longest first to the least loaded: 9 → d0; 7 → d1; 5 → d2; 4 → d2 (loads 9, 7, 9);
+    # 3 → d1 (9, 10, 9); 1 → d0 (a tie with d2 goes to the lower device)
+    assert share_out([4, 9, 1, 7, 3, 5], 3) == [[1, 2], [3, 4], [0, 5]]
+    assert share_out([2, 2], 3) == [[0], [1], []]          # fewer chunks than devices: the last idles
+    assert share_out([], 2) == [[], []]
+
+
+@pytest.mark.parametrize("packed,parallel", [(False, False), (True, True)])
+def test_a_cell_trains_over_several_devices_as_on_one(packed, parallel):
+    """A cell's trainer with two gradient replicas (`DeviceReplicas`; CPU stands in for its other GPUs):
+    each micro-step's chunks are shared out over the three devices, and the streamed update equals the
+    plain-torch reference. After the update the replicas take the new weights: the next burst's gradient
+    equals a one-device trainer's at those weights."""
+    from gyre_core.trainer.replicas import DeviceReplicas
+
+    model = _model()
+    executions = _executions(seed=4, n=10)
+    kept = {f"e{i}" for i in range(10)} - {"e2", "e5"}
+    ref, _ = _reference(model, executions, kept)
+    grads = {n: p.grad.clone() for n, p in ref.named_parameters()}
+    torch.nn.utils.clip_grad_norm_(ref.parameters(), 1e9)
+    torch.optim.AdamW(ref.parameters(), lr=LR, weight_decay=0.0, betas=(0.9, 0.99)).step()
+
+    core = Trainer(copy.deepcopy(model), lr=LR, zero_stage=1, grad_clip=1e9)
+    replicas = DeviceReplicas(core, ["cpu", "cpu"], parallel=parallel)
+    kw = dict(max_tokens=24, packed=packed, objective="ppo", clip_low=CLIP_LOW, clip_high=CLIP_HIGH)
+
+    def burst(trainer, reps, version):
+        q = MicroStepQueue(micro_step_executions=4, max_staleness=1)
+        q.open_burst(BURST, len(executions))
+        for ex_id, seqs in executions:
+            q.add_sequences(ex_id, BURST, seqs)
+        tokens = 0.0
+        while (ms := q.claim(0, BURST)) is not None:
+            if reps is not None:
+                reps.follow(version)
+            tokens += train_micro_step(trainer, ms, replicas=reps, **kw)["tokens"]
+            q.complete(ms.id, 0)
+        return q.trained_executions(BURST), tokens
+
+    n, tokens = burst(core, replicas, version=0)
+    assert all(k > 0 for k in replicas.shares), replicas.shares         # every device trained some chunks
+    assert tokens == sum(w != 0.0 for ex, ss in executions if ex in kept for s in ss for w in s.weights)
+    assert all(p.grad is None for m in replicas.copies for p in m.parameters())   # handed to the core
+    for (name, g), r in zip(core.gradients().items(), grads.values()):
+        assert (g / n - r).norm() <= 1e-5 * r.norm(), name
+    finish_step(core, n)
+    _assert_same(core, ref, grads=grads)
+
+    # the next burst, at the updated weights: the replicas follow version 1
+    one = Trainer(copy.deepcopy(core.model), lr=LR, zero_stage=1, grad_clip=1e9)
+    burst(core, replicas, version=1)
+    burst(one, None, version=1)
+    for (name, g), r in zip(core.gradients().items(), one.gradients().values()):
+        assert (g - r).norm() <= 1e-5 * r.norm(), name
+    replicas.close()
+
+
+def test_a_real_cell_with_several_devices_publishes_the_one_device_update(tmp_path, monkeypatch):
+    """`RealDevice` (a real cell's backend) on a host where it sees other devices besides its model's:
+    its trainer builds replicas over them, says so in its label, and the version it publishes after a
+    burst equals that of a cell that trains on one device (CPU stands in for the other GPUs)."""
+    from gyre_core.elastic import devices
+    from gyre_core.model import build_tiny_model, save_policy, train_tokenizer
+    from gyre_core.trainer.publish import load_weights, version_uri
+
+    tok = train_tokenizer(["forward left right stop " * 20], 300)
+    save_policy(build_tiny_model(tok, 32, 2, 4, 2, 48, 64, seed=3), tok, tmp_path / "policy")
+    train = dict(lr=LR, zero_stage=1, grad_clip=1e9, micro_batch_tokens=24, packed=True, temperature=1.0,
+                 clip_low=CLIP_LOW, clip_high=CLIP_HIGH, is_cap=2.0, negative_scale=1.0)
+    executions = _executions(seed=6, n=8)
+
+    def cell(name, others):
+        monkeypatch.setattr(devices, "other_devices", lambda device: others)
+        dev = devices.RealDevice(0, str(tmp_path / "policy"), str(tmp_path / name), train, seed=0)
+        dev.cell_is_core = True
+        q = MicroStepQueue(micro_step_executions=4, max_staleness=1)
+        for ex_id, seqs in executions:
+            q.add_sequences(ex_id, 0, seqs)
+        q.close_burst(0)
+        while (ms := q.claim(0, 0)) is not None:
+            dev.micro(ms)
+            q.complete(ms.id, 0)
+        dev.optim(0, q.trained_executions(0))
+        return dev, load_weights(version_uri(str(tmp_path / name), 1))
+
+    wide, w_wide = cell("wide", ["cpu"])
+    one, w_one = cell("one", [])
+    assert wide.label == "real/cpu (trains data-parallel on 2 GPUs)" and one.label == "real/cpu"
+    assert wide.replicas.shares[1] > 0 and one.replicas is None
+    start = load_weights(str(tmp_path / "policy" / "model.safetensors"))   # tied: no lm_head.weight there
+    moved = max((w_one[k] - start[k]).abs().max() for k in start)
+    assert moved > LR / 2                          # the update did something
+    for k in w_one:
+        assert torch.allclose(w_wide[k], w_one[k], rtol=0, atol=1e-6), k
