@@ -102,6 +102,7 @@ class _Cell:
     target: str = ROLLOUT
     to_role: str = ""       # while switching
     busy: bool = False      # computing a micro-step or the optimizer step
+    micro_n: int = 0        # executions in the micro-step it computes
     bound: dict[int, None] = field(default_factory=dict)   # executions here, in bind order
     factor: float = 1.0     # decode slowdown at its current load (`slowdown`)
     paused_until: float = 0.0   # loading a published version: no call runs before this
@@ -113,11 +114,16 @@ class _Cell:
 @dataclass(slots=True)
 class _Burst:
     size: int
-    total: int                                              # micro-steps it will make
     buffer: list[int] = field(default_factory=list)         # finished executions' calls, not yet grouped
-    pending: deque[float] = field(default_factory=deque)    # formed micro-steps (seconds), unclaimed
-    finished: int = 0
+    pending: deque[tuple[float, int]] = field(default_factory=deque)   # formed micro-steps (seconds,
+    finished: int = 0                                       # executions), unclaimed
+    cut: int = 0                                            # micro-steps formed
     done: int = 0                                           # micro-steps computed
+    trained: int = 0                                        # executions in them
+
+    @property
+    def complete(self) -> bool:
+        return self.finished == self.size and not self.buffer and not self.pending and self.done == self.cut
 
 
 @dataclass(slots=True)
@@ -252,7 +258,7 @@ class _Sim:
         while self.next_burst < w.steps and self.version >= self.next_burst - self.staleness:
             s = self.next_burst
             calls = w.calls(s)
-            self.bursts.append(_Burst(len(calls), math.ceil(len(calls) / self.micro)))
+            self.bursts.append(_Burst(len(calls)))
             for n in calls:
                 self.queue.append(len(self.execs))
                 self.unfinished.add(len(self.execs))
@@ -287,7 +293,7 @@ class _Sim:
                     if self.execs[i].burst == self.version)
         if self.version < len(self.bursts):
             b = self.bursts[self.version]
-            train += sum(b.pending) + sum(w.train_s(n) for n in b.buffer) + w.optimizer_s + w.publish_s
+            train += sum(t for t, _ in b.pending) + sum(w.train_s(n) for n in b.buffer) + w.optimizer_s + w.publish_s
         bound = [self.execs[i].f for i in self.unfinished if self.execs[i].cell >= 0]
         period = w.call_s * (sum(bound) / len(bound) if bound else 1.0) + w.env_s     # at today's loads
         return Estimates.of(list(done.values()), self.calls_dist, period, train)
@@ -298,8 +304,8 @@ class _Sim:
         if self.version >= len(self.bursts):
             return self.version, 0, 0, self.w.executions_per_step
         b = self.bursts[self.version]
-        ready = len(b.buffer) + self.micro * len(b.pending)
-        return self.version, ready, max(0, b.size - self.micro * b.done), self.w.executions_per_step
+        ready = len(b.buffer) + sum(n for _, n in b.pending)
+        return self.version, ready, b.size - b.trained, self.w.executions_per_step
 
     def _calls_done(self, ex: _Exec) -> int:
         """Calls `ex` has completed by now (observable: its calls so far)."""
@@ -446,32 +452,41 @@ class _Sim:
         b.finished += 1
         b.buffer.append(ex.n)
         if len(b.buffer) >= self.micro or b.finished == b.size:
-            b.pending.append(sum(self.w.train_s(n) for n in b.buffer))
-            b.buffer.clear()
+            self._cut(b)
+
+    def _cut(self, b: _Burst) -> None:
+        b.pending.append((sum(self.w.train_s(n) for n in b.buffer), len(b.buffer)))
+        b.cut += 1
+        b.buffer.clear()
 
     def _feed(self) -> None:
         if self.version >= len(self.bursts):
             return
         b = self.bursts[self.version]
         for c in self.cells:
-            if not b.pending:
-                return
             if c.role == TRAIN and c.target == TRAIN and not c.busy:
-                c.busy, c.busy_t0 = True, self.now
-                self._push(self.now + b.pending.popleft(), _MICRO, c.index)
+                if not b.pending and b.buffer:     # an idle training cell takes a short group rather than wait
+                    self._cut(b)
+                if not b.pending:
+                    return
+                seconds, n = b.pending.popleft()
+                c.busy, c.busy_t0, c.micro_n = True, self.now, n
+                self._push(self.now + seconds, _MICRO, c.index)
 
     def _on_micro(self, cell: int, _: int) -> None:
         c = self.cells[cell]
         self.train_spans.append(BusySpan(cell, c.busy_t0, self.now, TRAIN))
         c.busy = False
-        self.bursts[self.version].done += 1
+        b = self.bursts[self.version]
+        b.done += 1
+        b.trained += c.micro_n
 
     def _update(self) -> None:
         if self.updating or self.version >= len(self.bursts):
             return
         b = self.bursts[self.version]
         core = self.cells[0]
-        if b.done < b.total or core.role != TRAIN or core.busy:
+        if not b.complete or core.role != TRAIN or core.busy:
             return
         self.updating, core.busy, core.busy_t0 = True, True, self.now
         self._push(self.now + self.w.optimizer_s + self.w.publish_s, _OPTIM, 0)
@@ -582,27 +597,33 @@ def step_s_floor(workload: Workload, k: int, capacity: int, max_staleness: int) 
       cell-seconds (f_b: the decode slowdown at b — for β below about 1 a full cell is the best yield),
       plus Σ train_s(n) training cell-seconds and the update (optimizer step and publish); K cells give K
       cell-seconds a second.
-    - Critical path: burst s + S + 1 (S = `max_staleness`) is dispatched only once version s + 1 exists,
-      i.e. after burst s's longest execution ran its n_max·(call_s + env_s), the micro-step holding it
-      trained (≥ train_s(n_max)) and the update ran (its calls at full speed, alone on a cell). Chains s,
-      s + S + 1, s + 2(S + 1), ... add up.
-    Switches, partly filled cells and queueing only add. (An execution moved off a cell mid-turn holds no
-    slot until its next call, so a policy that moves executions could in principle shave some of the env
-    part of the work bound; the waterlevel moves one only where another cell has a free slot for it.)"""
+    - Critical path, version by version (T_s: when version s is published, T_0 = 0). Burst s is dispatched
+      at D_s = T_{s−S} (S = `max_staleness`; 0 for s ≤ S); its longest execution ends no sooner than
+      D_s + n_max·(call_s + env_s) (alone on a cell, at full speed). Its micro-steps train only on weights
+      s, so none starts before T_s: the micro-step holding the longest execution ends no sooner than
+      max(that end, T_s) + train_s(n_max), and the burst's training — Σ train_s(n) on at most K cells —
+      no sooner than T_s + Σ train_s(n) / K. The update follows: T_{s+1} is the later of the two plus the
+      optimizer step and publish.
+    Switches, partly filled cells, queueing and slowdown only add. (An execution moved off a cell mid-turn
+    holds no slot until its next call, so a policy that moves executions could in principle shave some of
+    the env part of the work bound; the waterlevel moves one only where another cell has a free slot.)"""
     w = workload
     steps = max(w.steps, 1)
     update = w.optimizer_s + w.publish_s
-    work, path = 0.0, []
+    work = 0.0
+    published = [0.0]               # T_s
     # rollout cell-seconds per call at the best load: a fuller cell is slower per call but (for β below
     # about 1) does more calls a second; whatever β, no load does better than the best of 1..capacity
     cell_s_per_call = min((w.call_s * slowdown(w, b) + w.env_s) / b for b in range(1, capacity + 1))
     for s in range(w.steps):
         calls = w.calls(s)
-        work += sum(calls) * cell_s_per_call + sum(w.train_s(n) for n in calls) + update
+        train = sum(w.train_s(n) for n in calls)
+        work += sum(calls) * cell_s_per_call + train + update
         n_max = max(calls)
-        path.append(n_max * (w.call_s + w.env_s) + w.train_s(n_max) + update)
-    chain = max(sum(path[s0::max_staleness + 1]) for s0 in range(min(max_staleness + 1, len(path)))) if path else 0.0
-    return max(work / k, chain) / steps
+        dispatched = published[s - max_staleness] if s > max_staleness else 0.0
+        longest = dispatched + n_max * (w.call_s + w.env_s)
+        published.append(max(max(longest, published[s]) + w.train_s(n_max), published[s] + train / k) + update)
+    return max(work / k, published[-1]) / steps
 
 
 def simulate(workload: Workload, k: int, capacity: int, policy: str, async_train_cells: int = 1,

@@ -22,8 +22,9 @@ The pieces and their rules:
 - Burst s is trained on weights v = s (every micro-step of one step sees the same weights), so an item's
   staleness is s − min(versions). An item staler than `max_staleness` is dropped as it is cut into a
   micro-step, and counted.
-- Micro-steps are consecutive groups of `micro_step_executions` kept items of one burst in finish order;
-  the burst's last, smaller group is cut when the burst is sealed: all expected executions arrived
+- Micro-steps are consecutive groups of at most `micro_step_executions` kept items of one burst in finish
+  order: a group is cut when it is full, when a training cell claims and no full group is ready (it takes
+  what is there rather than idle), and when the burst is sealed: all expected executions arrived
   (`open_burst` / `close_burst` with a count), or `close_burst(s)` without one.
 - `claim` only hands out micro-steps of the burst equal to the caller's weights version. A cell's
   claimed-but-incomplete micro-steps go back to the FRONT of the queue when it dies (`reclaim`); the
@@ -195,10 +196,15 @@ class MicroStepQueue:
 
     # -- training cells ----------------------------------------------------------------------------
     def claim(self, cell: int, version: int) -> MicroStep | None:
-        """The next micro-step of burst `version` (the weights the cell holds), or None for now."""
+        """The next micro-step of burst `version` (the weights the cell holds), or None for now. With no
+        full group ready, the kept executions not yet cut go as a short group: a training cell that asks
+        has nothing else to do, and waiting for a group to fill would put its training after the burst's
+        last execution (the step's critical path)."""
         with self._lock:
             self._release_before(version)
             b = self._bursts.get(version)
+            if b is not None and not b.ready and b.pending:
+                self._cut(b, len(b.pending))
             if b is None or not b.ready:
                 return None
             ms_id = b.ready.popleft()

@@ -102,9 +102,11 @@ def test_elastic_core_leaves_and_a_moved_call_resumes_with_its_remaining_time():
     #      b2e0 takes cell 1's free slot at 1.65, b2e1 waits for the core and starts there at 1.85.
     # t=2.65: b2e0 ends, w=2 → the core leaves again, 0.8 s into b2e1's call: b2e1 moves to cell 1 with the
     #      0.2 s left and ends at 2.85 (not 3.65).
-    # t=8: b1e1 ends, w=0 → cell 1 trains too; the core trains burst 1 (8.0–8.9), updates (→ 9.05), then
-    #      burst 2, whose micro-step waited for v=2 (9.05–9.25), updates → 9.40.
-    assert r.step_ends == pytest.approx([1.65, 9.05, 9.40])
+    #      Back in train at 2.95 and idle, the core takes b1e0 (finished at t=1) alone rather than wait for
+    #      a group of two: 2.95–3.05.
+    # t=8: b1e1 ends, w=0 → cell 1 trains too; the core trains it (8.0–8.8), updates (→ 8.95), then
+    #      burst 2, whose micro-step waited for v=2 (8.95–9.15), updates → 9.30.
+    assert r.step_ends == pytest.approx([1.65, 8.95, 9.30])
     assert flat((d.t, d.train_after) for d in r.decisions) == pytest.approx(
         flat([(1.0, 1), (1.65, 0), (2.65, 1), (8.0, 2)]))
     assert r.moved_executions == 2 and r.resumed_calls == 1
@@ -113,8 +115,9 @@ def test_elastic_core_leaves_and_a_moved_call_resumes_with_its_remaining_time():
     assert flat(core_busy) == pytest.approx([0.0, 1.0, 1.85, 2.65])
     cell1 = sorted((b.t0, b.t1) for b in r.busy_spans if b.cell == 1 and b.role == "rollout")
     assert flat(cell1) == pytest.approx([0.0, 8.0])
-    assert r.busy["busy_s_train"] == pytest.approx(0.2 + 0.15 + 0.9 + 0.15 + 0.2 + 0.15)
-    assert r.busy_frac == pytest.approx((9.8 + 1.75) / (2 * 9.4))
+    assert r.busy["busy_s_train"] == pytest.approx(0.2 + 0.15 + 0.1 + 0.8 + 0.15 + 0.2 + 0.15)
+    assert (2.95, 3.05) in [pytest.approx((b.t0, b.t1)) for b in r.busy_spans if b.cell == 0 and b.role == "train"]
+    assert r.busy_frac == pytest.approx((9.8 + 1.75) / (2 * 9.3))
     # w after each dispatch and finish: b2e1 finishes at 2.85
     assert flat(r.load) == pytest.approx(flat([(0, 2), (0, 4), (1, 3), (1, 2), (1, 1), (1.65, 3), (2.65, 2),
                                                (2.85, 1), (8, 0)]))
@@ -282,12 +285,16 @@ def test_step_s_floor_by_hand_and_no_policy_goes_below_it():
     # the by-hand fleet of test_colocated_two_steps_by_hand: bursts [2, 4] and [1, 1], call 1 s + env 0.5 s,
     # train 0.25 s a call, update 0.5 s. Work, K = 2, capacity 10: slot-seconds 9 + 3 = 12 → 1.2 rollout
     # cell-seconds; training 8 calls × 0.25 = 2; two updates 1.0 → (1.2 + 2 + 1) / 2 cells / 2 steps = 1.05.
-    # Critical path: burst 0's longest execution 4 × 1.5 = 6, its training 1, the update 0.5 → 7.5; burst 1:
-    # 1.5 + 0.25 + 0.5 = 2.25. S = 0 chains both: 9.75 / 2 steps; S ≥ 1 leaves them apart: 7.5 / 2.
+    # Critical path: v1 = burst 0's longest execution 4 × 1.5 = 6, its micro-step 1 (the burst's 1.5 s of
+    # training on 2 cells is less), the update 0.5 → 7.5. Burst 1 trains on v1 only: S = 0 dispatches it at
+    # 7.5, its longest ends at 9, + 0.25 + 0.5 → 9.75 / 2 steps; S = 1 dispatches it at 0 and it is done by
+    # 1.5, but its training still waits for v1: 7.5 + max(0.25, 0.5 / 2 cells) + 0.5 = 8.25 / 2.
     w = scripted([[2, 4], [1, 1]], call_s=1.0, env_s=0.5, train_s_per_call=0.25, optimizer_s=0.3, publish_s=0.2)
     assert step_s_floor(w, 2, 10, 0) == pytest.approx(9.75 / 2)
-    assert step_s_floor(w, 2, 10, 1) == pytest.approx(7.5 / 2)
-    assert step_s_floor(w, 2, 1, 1) == pytest.approx((12 + 2.0 + 1.0) / 2 / 2)    # one slot a cell: work wins
+    assert step_s_floor(w, 2, 10, 1) == pytest.approx(8.25 / 2)
+    assert step_s_floor(w, 2, 1, 1) == pytest.approx(8.25 / 2)            # one slot a cell: work 7.5 / 2 < path
+    # one cell of one slot: the work wins, (12 + 2 + 1) / 2 steps (the path: 7.5 + max(0.25, 0.5) + 0.5 = 8.5)
+    assert step_s_floor(w, 1, 1, 1) == pytest.approx((12 + 2.0 + 1.0) / 2)
     assert simulate(w, k=2, capacity=10, policy="colocated").step_s >= step_s_floor(w, 2, 10, 0)
     for name in ("laptop", "paper-122b", "paper-2.4t"):
         p = with_overrides(get_profile(name), ["steps=3"])

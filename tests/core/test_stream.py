@@ -53,19 +53,22 @@ def test_sealing_discards_resets_and_release():
     q.add("b", 0, 2, 0)
     with pytest.raises(RuntimeError, match="not sealed"):
         q.trained_executions(0)
-    assert q.claim(0, 0) is None                   # two kept, group of three not full, burst still open
     with pytest.raises(ValueError, match="more than"):
         q.close_burst(0, expected_count=2)         # three already arrived
-    q.close_burst(0, expected_count=4)
-    assert q.claim(0, 0) is None
-    q.add("c", 0, 3, 0)                            # 4th arrival: sealed, the last group is a, b, c
+    q.close_burst(0, expected_count=5)
+    head = q.claim(0, 0)                           # group of three not full: a cell that asks takes a, b
+    assert head.execution_ids == ["a", "b"] and q.claim(1, 0) is None   # nothing more to cut
+    q.add("c", 0, 3, 0)
+    q.add("d", 0, 4, 0)                            # 5th arrival: sealed, the last group is c, d
     ms = q.claim(5, 0)
-    assert ms.execution_ids == ["a", "b", "c"] and q.trained_executions(0) == 3
+    assert ms.execution_ids == ["c", "d"] and q.trained_executions(0) == 4
     with pytest.raises(ValueError, match="sealed"):
         q.add("late", 0, 4, 0)
+    assert q.complete(head.id, 0) and not q.burst_done(0)
     assert q.complete(ms.id, 5) and q.burst_done(0)
-    assert q.reset_burst(0) == 1                   # the core died before the update: redo the burst
-    assert not q.burst_done(0) and q.claim(6, 0) is ms
+    assert q.reset_burst(0) == 2                   # the core died before the update: redo the burst
+    assert not q.burst_done(0) and q.claim(6, 0) is head and q.claim(6, 0) is ms
+    q.complete(head.id, 6)
     q.complete(ms.id, 6)
     q.add("d", 1, 5, 0)                            # burst 1 from weights v0: staleness 1 > 0
     q.close_burst(1)                               # sealed now: nothing to train
