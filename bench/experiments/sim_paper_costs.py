@@ -2,7 +2,7 @@
 slowing as its batch fills (`decode_slowdown`) and rolling-out cells pausing to load each version
 (`weight_sync_s`). How much of the paper's speedups do they explain?
 
-    .venv/bin/python bench/experiments/sim_paper_costs.py       # a table; ~8 s
+    .venv/bin/python bench/experiments/sim_paper_costs.py       # a table; under a minute
 
 Each row keeps a full cell's call time at the profile's (the paper's engines ran full batches), so the
 slowdown only makes thinned-out cells faster, as in a real engine. `async` is at its best split of the

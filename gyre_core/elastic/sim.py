@@ -190,9 +190,11 @@ class _Sim:
     """One run: the state, the event loop, and the rules applied after each event."""
 
     def __init__(self, w: Workload, k: int, capacity: int, policy: str, async_train_cells: int,
-                 max_staleness: int, micro: int, plan: tuple[int, bool] | None = None) -> None:
+                 max_staleness: int, micro: int, plan: tuple[int, bool] | None = None,
+                 knows_lengths: bool = False) -> None:
         _check_args(w, k, capacity, policy, async_train_cells, max_staleness, micro)
         self.w, self.k, self.cap, self.micro = w, k, capacity, micro
+        self.knows_lengths = knows_lengths
         self.policy_name = policy
         self.policy = make_policy(policy, async_train_cells)
         if policy == "cost-aware":     # its plan: given, or made as the runtime makes it
@@ -342,6 +344,8 @@ class _Sim:
     def _pump(self) -> None:
         if not self.queue:
             return
+        if self.knows_lengths:     # the oracle: most calls left first (stable: FIFO among equals)
+            self.queue = deque(sorted(self.queue, key=lambda i: self.execs[i].done - self.execs[i].n))
         free = [c for c in self.cells if c.role == ROLLOUT and len(c.bound) < self.cap]
         touched = set()
         while self.queue and free:
@@ -628,11 +632,13 @@ def step_s_floor(workload: Workload, k: int, capacity: int, max_staleness: int) 
 
 def simulate(workload: Workload, k: int, capacity: int, policy: str, async_train_cells: int = 1,
              max_staleness: int = 1, micro_step_executions: int = 4,
-             plan: tuple[int, bool] | None = None) -> SimResult:
+             plan: tuple[int, bool] | None = None, knows_lengths: bool = False) -> SimResult:
     """Run `workload` on K cells of `capacity` slots under `policy` (one of `POLICIES`); `plan`: the
-    cost-aware policy's (reserve, static) (None: planned by `plan_reserve`)."""
+    cost-aware policy's (reserve, static) (None: planned by `plan_reserve`). `knows_lengths`: an oracle
+    for analysis, not a policy a runtime can have — queued executions take free slots most calls left
+    first (rule 3's FIFO otherwise), as if each one's length were known when it is dispatched."""
     return _Sim(workload, k, capacity, policy, async_train_cells, max_staleness, micro_step_executions,
-                plan).run()
+                plan, knows_lengths).run()
 
 
 PLAN_STEPS = 16

@@ -490,3 +490,15 @@ def test_the_planner_process_answers_what_plan_reserve_does_in_process():
     p = subprocess.run([sys.executable, "-m", "gyre_core.elastic.plan"], input=ask, capture_output=True, text=True,
                        check=True)
     assert tuple(json.loads(p.stdout)) == plan_reserve(w, 3, 2, 1, 1)
+
+
+def test_an_oracle_that_knows_lengths_starts_the_longest_first_by_hand():
+    # one cell of two slots, calls of 1 s, no turns: burst [1, 1, 3]. FIFO starts the two short ones, the
+    # long one at 1 → rollout ends at 4; knowing lengths starts the long one at 0 → ends at 3. Then both
+    # train 5 calls × 0.1 s and update 0.2 s: 4.7 against 3.7.
+    w = scripted([[1, 1, 3]], call_s=1.0, env_s=0.0, train_s_per_call=0.1, optimizer_s=0.2, publish_s=0.0,
+                 switch_to_train_s=0.0, switch_to_rollout_s=0.0)
+    fifo = simulate(w, k=1, capacity=2, policy="colocated", micro_step_executions=3)
+    oracle = simulate(w, k=1, capacity=2, policy="colocated", micro_step_executions=3, knows_lengths=True)
+    assert fifo.step_ends == pytest.approx([4.7]) and oracle.step_ends == pytest.approx([3.7])
+    check_invariants(oracle)
