@@ -166,6 +166,8 @@ class RealDevice:
         self.label = f"real/{next(model.parameters()).device}"
         if self.replica_devices:
             self.label += f" (trains data-parallel on {1 + len(self.replica_devices)} GPUs)"
+        elif self.label == "real/cpu" and torch.get_num_threads() > 1:   # devices_per_cell > 1 on a CPU host
+            self.label += f" (one device, {torch.get_num_threads()} threads)"
         self.replicas = None
         self.pad_id = tok.pad_token_id or 0
         self.vocab_size = len(tok)

@@ -86,6 +86,7 @@ class ElasticResult:
     load: list[tuple[float, int]] = field(default_factory=list)
     call_s: list[float] = field(default_factory=list)
     micro_s: list[float] = field(default_factory=list)
+    micro_executions: list[int] = field(default_factory=list)   # executions each micro-step trained
     optim_s: list[float] = field(default_factory=list)
     reduce_s: list[float] = field(default_factory=list)   # the core's wait in each update's reduce (collective)
     grad_channel: str = "arrays"  # how satellites' gradients reached the core (at the end of the run)
@@ -113,6 +114,7 @@ class ElasticResult:
                 "decisions": [d.to_dict() for d in self.decisions], "notes": self.notes,
                 "calls": len(self.call_s), "call_s_mean": _mean(self.call_s),
                 "micro_steps": len(self.micro_s), "micro_s_total": sum(self.micro_s),
+                "micro_executions": sum(self.micro_executions),
                 "optim_s_mean": _mean(self.optim_s), "reduce_s_mean": _mean(self.reduce_s),
                 "grad_channel": self.grad_channel, "relayed_bytes": self.relayed_bytes,
                 "micro_steps_by_cell": {str(k): v for k, v in sorted(self.micro_by_cell.items())},
@@ -158,6 +160,8 @@ class Coordinator:
         self.dead: list[int] = []
         self.load: list[tuple[float, int]] = []   # (t, unfinished executions) at every dispatch and finish
         self.micro_s: list[float] = []             # device seconds of each micro-step, as the cell measured
+        self.micro_items: list[int] = []           # ... and the executions it trained (groups may be short)
+        self._claimed_items: dict[int, int] = {}   # micro-step id -> its executions, while a cell holds it
         self._calls_dist: CallDistribution | None = None   # the cost-aware policy's, rebuilt as executions end
         self._calls_dist_at = -1
         self._planned_for = -1                     # the version the cost-aware plan was last made at
@@ -336,7 +340,7 @@ class Coordinator:
         if self._calls_dist is None or self._calls_dist_at != self.finished:    # rebuilt as executions end
             self._calls_dist, self._calls_dist_at = CallDistribution(ended), self.finished
         unstarted = max(0, self.dispatched - self.finished - len(live))
-        per_execution = statistics.fmean(self.micro_s) / self.cfg.micro_step_executions
+        per_execution = sum(self.micro_s) / max(sum(self.micro_items), 1)
         update = statistics.fmean(self.optim_s) if self.optim_s else 0.0
         train = self.stream.untrained(self.version) * per_execution + update
         pace = statistics.median(period)
@@ -408,6 +412,7 @@ class Coordinator:
             if ms is None:
                 return
             c.busy, c.busy_t0 = True, self.now()
+            self._claimed_items[ms.id] = len(ms.items)
             self._send(i, Micro(ms.id, self.work.micro_work(ms)))
 
     def _update(self) -> None:
@@ -460,6 +465,7 @@ class Coordinator:
                         self._send(self.order[0], Grads(grads))   # a satellite's gradient, to the core
                         self.relayed_bytes += sum(g.nbytes for g in grads.values())
                     self.micro_s.append(seconds)
+                    self.micro_items.append(self._claimed_items.pop(ms_id, 1))
                     self.micro_by_cell[cell] = self.micro_by_cell.get(cell, 0) + 1
                     self.trained_in.setdefault(self.version, set()).add(cell)
                     sums = self.train_stats.setdefault(self.version, {})   # micro-steps train the current version
@@ -575,6 +581,7 @@ class Coordinator:
             stale_dropped=self.stream.dropped_stale, decisions=self.decisions, role_spans=self.role_spans,
             busy_spans=self.busy_spans, switch_marks=self.marks, executions=getattr(self.work, "logs", []),
             notes=self.notes, load=self.load, call_s=list(self.router.call_s), micro_s=self.micro_s,
+            micro_executions=self.micro_items,
             optim_s=self.optim_s, reduce_s=self.reduce_s, grad_channel=self.channel,
             relayed_bytes=self.relayed_bytes, train_stats=self.train_stats, micro_by_cell=self.micro_by_cell,
             launch=self.connections.launcher.name, start_s=self.connections.start_s,

@@ -142,6 +142,11 @@ def test_cost_aware_keeps_cells_training_past_the_waterlevel_once_it_has_measure
             past.append(d)
     assert past, "it never kept a cell training past the waterlevel"
     assert all(d.finished >= Coordinator.MEASURED_BEFORE_ESTIMATES for d in past)    # only on measurements
+    # every execution trained once, in groups of at most micro_step_executions (a training cell that asks
+    # while no group is full takes a short one: the estimates count executions, not micro-steps)
+    assert sum(res.micro_executions) == heavy.steps * heavy.executions_per_step - res.stale_dropped
+    assert 1 <= min(res.micro_executions) and max(res.micro_executions) <= cfg.micro_step_executions
+    assert res.to_dict()["micro_executions"] == sum(res.micro_executions)
 
 
 def test_async_takes_its_training_cell_out_before_any_execution_binds():
