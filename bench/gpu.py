@@ -146,8 +146,11 @@ def check_cell_devices(device: str = "cuda", repeats: int = 3) -> dict:
     seqs = branching_workload(G=8, K=2, turns=(6, 10), fork_turns=(3,), prompt_tokens=60, obs_tokens=(8, 12),
                               vocab=dims["vocab_size"], seed=5)
     chunks = [[t] for t in pack_branches(seqs, max_tokens=512)]
+    from gyre_core.elastic.devices import other_devices
+
     gpus = torch.cuda.device_count() if device.startswith("cuda") else 0
-    others = [f"cuda:{i}" for i in range(1, gpus)] or [device]   # one GPU: a second thread on it
+    # the other GPUs a cell would train on; with one GPU (or the CPU) a second copy on the same device
+    others = other_devices(torch.device("cuda", 0)) if gpus > 1 else [device]
     kw = dict(objective="ppo", clip_low=0.2, clip_high=0.28)
 
     def burst(tr, reps) -> tuple[dict, float]:
@@ -160,7 +163,7 @@ def check_cell_devices(device: str = "cuda", repeats: int = 3) -> dict:
                 for c in chunks:
                     tr.micro_step(c, 1.0, last=False, **kw)
             else:
-                reps.micro_steps(chunks, **kw)
+                reps.micro_step(chunks, **kw)
             _sync()
             best = min(best, time.perf_counter() - t0)
         return {n: g.double().cpu() for n, g in tr.gradients().items()}, best
@@ -170,10 +173,11 @@ def check_cell_devices(device: str = "cuda", repeats: int = 3) -> dict:
     g_one, s_one = burst(one, None)
     wide = Trainer(copy.deepcopy(model), lr=1e-4, zero_stage=1)
     reps = DeviceReplicas(wide, others)
+    reps.follow(0)                    # the weights copied once, outside the timing
     g_wide, s_wide = burst(wide, reps)
     reps.close()
     return {"gpus": gpus, "replica_devices": others, "parallel": reps.parallel, "chunks": len(chunks),
-            "chunks_by_device": reps.shares, "grad_rel_err": _rel_err(g_wide, g_one),
+            "chunks_by_device": reps.chunks_by_device, "grad_rel_err": _rel_err(g_wide, g_one),
             "one_device_s": s_one, "replicas_s": s_wide, "speedup": s_one / s_wide}
 
 

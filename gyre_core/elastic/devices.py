@@ -205,10 +205,17 @@ class RealDevice:
             if self.replica_devices:      # the cell's other GPUs compute gradients for this trainer
                 from ..trainer.replicas import DeviceReplicas
 
-                if self.replicas is not None:
-                    self.replicas.close()
+                self._close_replicas()    # (a new core's trainer) the old copies go before the new ones
                 self.replicas = DeviceReplicas(self.trainer, self.replica_devices)
         return self.trainer
+
+    def _close_replicas(self) -> None:
+        if self.replicas is not None:
+            self.replicas.close()
+            self.replicas = None
+
+    def close(self) -> None:
+        self._close_replicas()
 
     # -- rollout ---------------------------------------------------------------------------------
     def start(self, g: "LiveCall", now: float) -> None:

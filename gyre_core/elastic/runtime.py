@@ -144,7 +144,8 @@ class Coordinator:
         self.cells: dict[int, _CellState] = {}
         self.order: list[int] = []            # alive cells, core first
         self.router = Router(ecfg.capacity, self.connections.send, self._on_rollout_busy)
-        self.stream = MicroStepQueue(ecfg.micro_step_executions, self.staleness)
+        self.stream = MicroStepQueue(ecfg.micro_step_executions, self.staleness,
+                                     tail=ecfg.micro_step_executions * ecfg.cells)
         self.first = self.work.first_step     # a resumed run: versions before it are published
         self.version = self.next_burst = self.first
         self.dispatched = self.finished = 0

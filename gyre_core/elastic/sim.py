@@ -38,7 +38,9 @@ benchmark compares the two step times. The rules, exactly as modelled:
    (train→rollout). A rollout cell leaves at once; a training cell finishes the micro-step or optimizer
    step it is computing first. A cell mid-switch completes it, then the rules are applied again.
 5. Streaming training. Finished executions of burst s enter a buffer in finish order; consecutive groups
-   of `micro_step_executions` form micro-steps (the last, smaller group once the whole burst finished).
+   of `micro_step_executions` form micro-steps (the last, smaller group once the whole burst finished);
+   in the burst's tail — fewer than `micro_step_executions` × K of its executions left to finish — an idle
+   training cell of the trainable burst takes the buffer as a short group rather than wait.
    An idle training cell (lowest index first) claims a micro-step of burst s only when v == s; it takes
    sum(workload.train_s(calls)) there. When all of burst s's micro-steps are done the core, once it is in
    train and idle, runs the optimizer step and publish (`optimizer_s + publish_s`); then v = s + 1.
@@ -344,8 +346,9 @@ class _Sim:
     def _pump(self) -> None:
         if not self.queue:
             return
-        if self.knows_lengths:     # the oracle: most calls left first (stable: FIFO among equals)
-            self.queue = deque(sorted(self.queue, key=lambda i: self.execs[i].done - self.execs[i].n))
+        if self.knows_lengths:     # the oracle: older bursts first, within one most calls left first
+            self.queue = deque(sorted(self.queue, key=lambda i: (self.execs[i].burst,
+                                                                 self.execs[i].done - self.execs[i].n)))
         free = [c for c in self.cells if c.role == ROLLOUT and len(c.bound) < self.cap]
         touched = set()
         while self.queue and free:
@@ -469,7 +472,9 @@ class _Sim:
         b = self.bursts[self.version]
         for c in self.cells:
             if c.role == TRAIN and c.target == TRAIN and not c.busy:
-                if not b.pending and b.buffer:     # an idle training cell takes a short group rather than wait
+                # in the burst's tail (fewer left to finish than a group per cell) an idle training cell
+                # takes a short group rather than wait
+                if not b.pending and b.buffer and b.size - b.finished < self.micro * self.k:
                     self._cut(b)
                 if not b.pending:
                     return
@@ -634,9 +639,10 @@ def simulate(workload: Workload, k: int, capacity: int, policy: str, async_train
              max_staleness: int = 1, micro_step_executions: int = 4,
              plan: tuple[int, bool] | None = None, knows_lengths: bool = False) -> SimResult:
     """Run `workload` on K cells of `capacity` slots under `policy` (one of `POLICIES`); `plan`: the
-    cost-aware policy's (reserve, static) (None: planned by `plan_reserve`). `knows_lengths`: an oracle
-    for analysis, not a policy a runtime can have — queued executions take free slots most calls left
-    first (rule 3's FIFO otherwise), as if each one's length were known when it is dispatched."""
+    cost-aware policy's (reserve, static) (None: planned by `plan_reserve`). `knows_lengths`: for analysis,
+    not something a runtime can have — queued executions take free slots by burst and, within one, most
+    calls left first (rule 3's FIFO otherwise), as if each one's length were known when it is dispatched
+    (longest first is a heuristic, not the best schedule)."""
     return _Sim(workload, k, capacity, policy, async_train_cells, max_staleness, micro_step_executions,
                 plan, knows_lengths).run()
 

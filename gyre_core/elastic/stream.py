@@ -23,9 +23,11 @@ The pieces and their rules:
   staleness is s − min(versions). An item staler than `max_staleness` is dropped as it is cut into a
   micro-step, and counted.
 - Micro-steps are consecutive groups of at most `micro_step_executions` kept items of one burst in finish
-  order: a group is cut when it is full, when a training cell claims and no full group is ready (it takes
-  what is there rather than idle), and when the burst is sealed: all expected executions arrived
-  (`open_burst` / `close_burst` with a count), or `close_burst(s)` without one.
+  order: a group is cut when it is full; when the burst is sealed: all expected executions arrived
+  (`open_burst` / `close_burst` with a count), or `close_burst(s)` without one; and in the burst's tail —
+  fewer than `tail` of its expected executions still to arrive — when a training cell claims and no full
+  group is ready: it takes what is there rather than idle. Otherwise a burst's last group would hold its
+  longest executions, trained one after another once the tail has ended, on the step's critical path.
 - `claim` only hands out micro-steps of the burst equal to the caller's weights version. A cell's
   claimed-but-incomplete micro-steps go back to the FRONT of the queue when it dies (`reclaim`); the
   core dying loses the accumulated gradient of the whole burst (`reset_burst`).
@@ -124,11 +126,14 @@ class _Burst:
 class MicroStepQueue:
     """The buffer of finished executions and the shared queue of micro-steps (one lock guards all)."""
 
-    def __init__(self, micro_step_executions: int, max_staleness: int):
-        if micro_step_executions < 1 or max_staleness < 0:
-            raise ValueError("micro_step_executions must be ≥ 1 and max_staleness ≥ 0")
+    def __init__(self, micro_step_executions: int, max_staleness: int, tail: int = 0):
+        """`tail`: a claim cuts a short group once fewer than this many of the burst's expected executions
+        are still to arrive (0: never; the coordinator uses a group per cell)."""
+        if micro_step_executions < 1 or max_staleness < 0 or tail < 0:
+            raise ValueError("micro_step_executions must be ≥ 1, max_staleness and tail ≥ 0")
         self.micro_step_executions = micro_step_executions
         self.max_staleness = max_staleness
+        self.tail = tail
         self._lock = threading.Lock()
         self._bursts: dict[int, _Burst] = {}
         self._released: set[int] = set()       # finished bursts whose payloads were let go
@@ -196,14 +201,13 @@ class MicroStepQueue:
 
     # -- training cells ----------------------------------------------------------------------------
     def claim(self, cell: int, version: int) -> MicroStep | None:
-        """The next micro-step of burst `version` (the weights the cell holds), or None for now. With no
-        full group ready, the kept executions not yet cut go as a short group: a training cell that asks
-        has nothing else to do, and waiting for a group to fill would put its training after the burst's
-        last execution (the step's critical path)."""
+        """The next micro-step of burst `version` (the weights the cell holds), or None for now. In the
+        burst's tail (`tail`) with no full group ready, the kept executions not yet cut go as a short group."""
         with self._lock:
             self._release_before(version)
             b = self._bursts.get(version)
-            if b is not None and not b.ready and b.pending:
+            if b is not None and not b.ready and b.pending and b.expected is not None \
+                    and b.expected - b.arrived < self.tail:
                 self._cut(b, len(b.pending))
             if b is None or not b.ready:
                 return None
@@ -389,7 +393,7 @@ def train_micro_step(trainer, ms: MicroStep, *, max_tokens: int, packed: bool = 
         chunks = micro_batches(seqs, max_tokens)
     totals: dict[str, float] = {"executions": float(ms.n_executions)}
     if replicas is not None:
-        return {**replicas.micro_steps(chunks, **loss_kw), **totals}
+        return {**replicas.micro_step(chunks, **loss_kw), **totals}
     for chunk in chunks:
         for key, v in trainer.micro_step(chunk, 1.0, last=False, **loss_kw).items():
             totals[key] = totals.get(key, 0.0) + v

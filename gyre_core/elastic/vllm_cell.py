@@ -181,3 +181,4 @@ class VLLMCellDevice(RealDevice):
     def close(self) -> None:
         stop_all(self.streams.values())
         self.vllm.close()
+        super().close()

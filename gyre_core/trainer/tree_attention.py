@@ -148,7 +148,7 @@ def _sparse(query, key, value, tree: TreeMask, scaling, dropout):
 
 
 FLEX_MIN_HEAD_DIM = 16          # flex's GPU kernel refuses smaller heads
-_COMPILED_FLEX: dict[int, object] = {}
+_COMPILED_FLEX: dict[tuple[int, str], object] = {}   # (length, device): one compiled kernel each, no recompiles
 
 
 def flex_length(n: int) -> int:
@@ -170,9 +170,10 @@ def _flex(query, key, value, tree: TreeMask, scaling):
     length = flex_length(n)
     fn = flex_attention
     if query.device.type == "cuda":             # uncompiled flex materialises scores; it is a test path only
-        if length not in _COMPILED_FLEX:
-            _COMPILED_FLEX[length] = torch.compile(flex_attention, dynamic=False)
-        fn = _COMPILED_FLEX[length]
+        key = (length, str(query.device))
+        if key not in _COMPILED_FLEX:
+            _COMPILED_FLEX[key] = torch.compile(flex_attention, dynamic=False)
+        fn = _COMPILED_FLEX[key]
     pad = (0, 0, 0, length - n)
     out = fn(F.pad(query, pad), F.pad(key, pad), F.pad(value, pad), block_mask=tree.block_mask(query.device, length),
              scale=scaling, enable_gqa=query.shape[1] != key.shape[1])

@@ -47,21 +47,24 @@ def test_cutting_staleness_claims_and_reclaims_by_hand():
 
 
 def test_sealing_discards_resets_and_release():
-    q = MicroStepQueue(micro_step_executions=3, max_staleness=0)
+    q = MicroStepQueue(micro_step_executions=4, max_staleness=0, tail=3)
     q.add("a", 0, 1, 0)
     q.discard("x", 0, "evaluator failed")
     q.add("b", 0, 2, 0)
     with pytest.raises(RuntimeError, match="not sealed"):
         q.trained_executions(0)
+    assert q.claim(0, 0) is None                   # a, b kept; how many are to come is not known yet
     with pytest.raises(ValueError, match="more than"):
         q.close_burst(0, expected_count=2)         # three already arrived
-    q.close_burst(0, expected_count=5)
-    head = q.claim(0, 0)                           # group of three not full: a cell that asks takes a, b
-    assert head.execution_ids == ["a", "b"] and q.claim(1, 0) is None   # nothing more to cut
-    q.add("c", 0, 3, 0)
-    q.add("d", 0, 4, 0)                            # 5th arrival: sealed, the last group is c, d
+    q.close_burst(0, expected_count=6)
+    assert q.claim(0, 0) is None                   # 3 still to come: not fewer than tail = 3, wait for 4
+    q.add("c", 0, 3, 0)                            # 2 to come: the tail, so a cell that asks takes a, b, c
+    head = q.claim(0, 0)
+    assert head.execution_ids == ["a", "b", "c"] and q.claim(1, 0) is None   # nothing more to cut
+    q.add("d", 0, 4, 0)
+    q.add("e", 0, 5, 0)                            # 6th arrival: sealed, the last group is d, e
     ms = q.claim(5, 0)
-    assert ms.execution_ids == ["c", "d"] and q.trained_executions(0) == 4
+    assert ms.execution_ids == ["d", "e"] and q.trained_executions(0) == 5
     with pytest.raises(ValueError, match="sealed"):
         q.add("late", 0, 4, 0)
     assert q.complete(head.id, 0) and not q.burst_done(0)
@@ -398,6 +401,10 @@ def test_a_cell_trains_over_several_devices_as_on_one(packed, parallel):
 
     core = Trainer(copy.deepcopy(model), lr=LR, zero_stage=1, grad_clip=1e9)
     replicas = DeviceReplicas(core, ["cpu", "cpu"], parallel=parallel)
+    deterministic = torch.are_deterministic_algorithms_enabled()
+    hooked = sum(len(m._forward_pre_hooks) + len(m._forward_hooks) for m in core.model.modules())
+    assert hooked > 0     # DeepSpeed's engine hooks the trainer's model; its plain copies carry none of them
+    assert all(not m._forward_pre_hooks and not m._forward_hooks for c in replicas.copies for m in c.modules())
     kw = dict(max_tokens=24, packed=packed, objective="ppo", clip_low=CLIP_LOW, clip_high=CLIP_HIGH)
 
     def burst(trainer, reps, version):
@@ -414,7 +421,7 @@ def test_a_cell_trains_over_several_devices_as_on_one(packed, parallel):
         return q.trained_executions(BURST), tokens
 
     n, tokens = burst(core, replicas, version=0)
-    assert all(k > 0 for k in replicas.shares), replicas.shares         # every device trained some chunks
+    assert all(k > 0 for k in replicas.chunks_by_device), replicas.chunks_by_device   # every device trained some
     assert tokens == sum(w != 0.0 for ex, ss in executions if ex in kept for s in ss for w in s.weights)
     assert all(p.grad is None for m in replicas.copies for p in m.parameters())   # handed to the core
     for (name, g), r in zip(core.gradients().items(), grads.values()):
@@ -428,6 +435,8 @@ def test_a_cell_trains_over_several_devices_as_on_one(packed, parallel):
     burst(one, None, version=1)
     for (name, g), r in zip(core.gradients().items(), one.gradients().values()):
         assert (g - r).norm() <= 1e-5 * r.norm(), name
+    # the deterministic-kernel scope, entered from several threads at once, gave the process its own back
+    assert torch.are_deterministic_algorithms_enabled() == deterministic
     replicas.close()
 
 
@@ -464,7 +473,7 @@ def test_a_real_cell_with_several_devices_publishes_the_one_device_update(tmp_pa
     n = torch.get_num_threads()       # a CPU cell of devices_per_cell > 1 keeps one device and says so
     assert wide.label == "real/cpu (trains data-parallel on 2 GPUs)"
     assert one.label == ("real/cpu" if n == 1 else f"real/cpu (one device, {n} threads)")
-    assert wide.replicas.shares[1] > 0 and one.replicas is None
+    assert wide.replicas.chunks_by_device[1] > 0 and one.replicas is None
     start = load_weights(str(tmp_path / "policy" / "model.safetensors"))   # tied: no lm_head.weight there
     moved = max((w_one[k] - start[k]).abs().max() for k in start)
     assert moved > LR / 2                          # the update did something
