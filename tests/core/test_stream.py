@@ -268,16 +268,22 @@ def test_streamed_update_equals_one_batch_and_the_torch_reference(stage):
         assert norm == pytest.approx(ref_norm, rel=1e-5)
 
 
-def test_packed_streaming_with_a_late_satellite_and_a_lost_one():
-    """Tree-packed micro-steps; a satellite that joins after the core's first micro-step; another that dies
-    holding one, which the core retrains from the front of the queue."""
+def _updated_reference(seed: int):
+    """The model, 10 executions (e2 stale, e5 untrainable), and the plain-torch reference after its update
+    without clipping, with the gradients it took (by parameter name)."""
     model = _model()
-    executions = _executions(seed=9, n=10)
-    kept = {f"e{i}" for i in range(10)} - {"e2", "e5"}
-    ref, _ = _reference(model, executions, kept)
+    executions = _executions(seed=seed, n=10)
+    ref, _ = _reference(model, executions, {f"e{i}" for i in range(10)} - {"e2", "e5"})
     grads = {n: p.grad.clone() for n, p in ref.named_parameters()}
     torch.nn.utils.clip_grad_norm_(ref.parameters(), 1e9)
     torch.optim.AdamW(ref.parameters(), lr=LR, weight_decay=0.0, betas=(0.9, 0.99)).step()
+    return model, executions, ref, grads
+
+
+def test_packed_streaming_with_a_late_satellite_and_a_lost_one():
+    """Tree-packed micro-steps; a satellite that joins after the core's first micro-step; another that dies
+    holding one, which the core retrains from the front of the queue."""
+    model, executions, ref, grads = _updated_reference(seed=9)
     core, sat, doomed = (Trainer(copy.deepcopy(model), lr=LR, zero_stage=1, grad_clip=1e9) for _ in range(3))
     q = MicroStepQueue(micro_step_executions=2, max_staleness=1)
     for ex_id, seqs in executions:
@@ -391,13 +397,8 @@ def test_a_cell_trains_over_several_devices_as_on_one(packed, parallel):
     equals a one-device trainer's at those weights."""
     from gyre_core.trainer.replicas import DeviceReplicas
 
-    model = _model()
-    executions = _executions(seed=4, n=10)
+    model, executions, ref, grads = _updated_reference(seed=4)
     kept = {f"e{i}" for i in range(10)} - {"e2", "e5"}
-    ref, _ = _reference(model, executions, kept)
-    grads = {n: p.grad.clone() for n, p in ref.named_parameters()}
-    torch.nn.utils.clip_grad_norm_(ref.parameters(), 1e9)
-    torch.optim.AdamW(ref.parameters(), lr=LR, weight_decay=0.0, betas=(0.9, 0.99)).step()
 
     core = Trainer(copy.deepcopy(model), lr=LR, zero_stage=1, grad_clip=1e9)
     replicas = DeviceReplicas(core, ["cpu", "cpu"], parallel=parallel)
