@@ -105,6 +105,19 @@ class TemporaryServer:
         self.proc = None
 
 
+def _drain_prefect_workers(timeout_s: float = 10.0) -> None:
+    """Send the logs and events Prefect still holds for the server before it stops: otherwise its workers
+    find no server at exit, print "Error logging to API" and retry for about a minute."""
+    try:
+        from prefect.events.worker import EventsWorker
+        from prefect.logging.handlers import APILogWorker
+
+        for worker in (APILogWorker, EventsWorker):
+            worker.drain_all(timeout=timeout_s)
+    except Exception:  # noqa: BLE001 - never keep the server from stopping
+        pass
+
+
 @contextlib.contextmanager
 def prefect_api(say: Callable[[str], None] | None = None) -> Iterator[str]:
     """The Prefect API a command's flows use: the configured one (PREFECT_API_URL, or the active profile's),
@@ -131,6 +144,7 @@ def prefect_api(say: Callable[[str], None] | None = None) -> Iterator[str]:
     try:
         yield url
     finally:
+        _drain_prefect_workers()
         server.stop()
         if before is None:
             os.environ.pop("PREFECT_API_URL", None)

@@ -128,16 +128,20 @@ class Lake:
         return path[len(self.path) + 1:] if path.startswith(self.path + "/") else path
 
     # ---- writing -----------------------------------------------------------------------------
-    def check_writable(self) -> None:
+    def check_writable(self, home: str | None = None) -> None:
         """Raise ValueError (one line) unless the root can be created and written.
 
-        A local root may be created when its parent exists; an object-store bucket must exist already
-        (a typo in a bucket name must not create a bucket)."""
+        A local root may be created when its parent exists, or anywhere inside `home` when that directory
+        exists (the Gyre home: its data folders are made as needed, so a fresh home works); elsewhere a
+        missing parent is taken for a typo. An object-store bucket must exist already (a typo in a bucket
+        name must not create a bucket)."""
         probe = f"{self.path}/.gyre-write-check-{uuid.uuid4().hex}"
         try:
             if self.local:
                 parent = os.path.dirname(self.path) or "."
-                if not os.path.isdir(self.path) and not os.path.isdir(parent):
+                in_home = home is not None and os.path.isdir(home) and \
+                    os.path.commonpath([os.path.abspath(home), os.path.abspath(self.path)]) == os.path.abspath(home)
+                if not os.path.isdir(self.path) and not os.path.isdir(parent) and not in_home:
                     raise FileNotFoundError(f"neither it nor its parent directory {parent!r} exists")
             else:
                 bucket = self.path.split("/", 1)[0]

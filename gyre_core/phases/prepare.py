@@ -8,7 +8,7 @@ import re
 import sys
 import time
 
-from ..config import ConfigError, GyreConfig, apply_threads
+from ..config import ConfigError, GyreConfig, apply_threads, gyre_home
 from ..run import (DEMOS_PART, STEP_PART_PREFIX, CheckpointError, RunDir, ckpt_tag, eval_part, process_part,
                    publish_marker, score_part, step_marker, step_part)
 
@@ -32,7 +32,7 @@ def preflight(cfg: GyreConfig):
 
         check_fleet(cfg.elastic)
     lake = Lake.from_config(cfg.lake)
-    lake.check_writable()
+    lake.check_writable(home=str(gyre_home()))
     return env, lake
 
 

@@ -115,6 +115,7 @@ def serve(cfg, run_id: str, stop: threading.Event, ready=None) -> None:
     """Serve the config's model through the proxy until `stop` is set (`ready(server, admin)` once it listens)."""
     import secrets
 
+    from ..config import gyre_home
     from ..lake import Lake
     from ..model import load_policy
     from ..phases.run_objects import PolicyBundle, served_model_name
@@ -127,7 +128,7 @@ def serve(cfg, run_id: str, stop: threading.Event, ready=None) -> None:
     model, tok = load_policy(cfg.model.path, device=device)
     bundle = PolicyBundle.of(model, tok, cfg.run.seed, version=0, engine_cfg=cfg.engine, model_dir=cfg.model.path)
     lake = Lake.from_config(cfg.lake)
-    lake.check_writable()
+    lake.check_writable(home=str(gyre_home()))
     admin = StandaloneAdmin(cfg.proxy.admin_token or secrets.token_urlsafe(24), run_id, lake)
     temperature = cfg.rollout.temperature if cfg.proxy.sampling == "run" else None
     try:

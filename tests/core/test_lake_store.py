@@ -313,6 +313,14 @@ def test_missing_roots_are_refused(tmp_path, s3_server):
     with pytest.raises(ValueError, match="neither it nor its parent directory"):
         Lake(str(tmp_path / "no" / "such" / "lake")).check_writable()
     Lake(str(tmp_path / "fresh")).check_writable()          # a new directory in an existing one is fine
+    home = tmp_path / "home"                                  # inside an existing Gyre home, any depth is
+    with pytest.raises(ValueError, match="neither it nor its parent directory"):
+        Lake(str(home / "data" / "lake")).check_writable(home=str(home))     # (the home itself must exist)
+    home.mkdir()
+    Lake(str(home / "data" / "lake")).check_writable(home=str(home))
+    assert (home / "data" / "lake").is_dir()
+    with pytest.raises(ValueError, match="neither it nor its parent directory"):   # outside it, still a typo
+        Lake(str(tmp_path / "elsewhere" / "lake")).check_writable(home=str(home))
     with pytest.raises(ValueError, match="bucket 'no-such-bucket' does not exist"):
         Lake("s3://no-such-bucket/lake", s3_server).check_writable()
     import s3fs
