@@ -138,6 +138,7 @@ def check_trainer(device: str = "cuda", lr: float = 1e-3) -> dict:
 
 def check_cell_devices(device: str = "cuda", repeats: int = 3) -> dict:
     """A cell's trainer with gradient replicas on its other GPUs vs the trainer alone, same packed chunks."""
+    from gyre_core.elastic.devices import other_devices
     from gyre_core.trainer.packing import pack_branches
     from gyre_core.trainer.replicas import DeviceReplicas
     from gyre_core.trainer.trainer import Trainer
@@ -146,8 +147,6 @@ def check_cell_devices(device: str = "cuda", repeats: int = 3) -> dict:
     seqs = branching_workload(G=8, K=2, turns=(6, 10), fork_turns=(3,), prompt_tokens=60, obs_tokens=(8, 12),
                               vocab=dims["vocab_size"], seed=5)
     chunks = [[t] for t in pack_branches(seqs, max_tokens=512)]
-    from gyre_core.elastic.devices import other_devices
-
     gpus = torch.cuda.device_count() if device.startswith("cuda") else 0
     # the other GPUs a cell would train on; with one GPU (or the CPU) a second copy on the same device
     others = other_devices(torch.device("cuda", 0)) if gpus > 1 else [device]

@@ -57,6 +57,7 @@ class _CellState:
     role: str = ROLLOUT              # rollout | train | switching | dead
     target: str = ROLLOUT
     busy: bool = False               # computing a micro-step or an update
+    micro_n: int = 0                 # executions in the micro-step it computes (groups may be short)
     switch_t0: float = 0.0
     span_t0: float = 0.0
     busy_t0: float = 0.0
@@ -161,8 +162,7 @@ class Coordinator:
         self.dead: list[int] = []
         self.load: list[tuple[float, int]] = []   # (t, unfinished executions) at every dispatch and finish
         self.micro_s: list[float] = []             # device seconds of each micro-step, as the cell measured
-        self.micro_items: list[int] = []           # ... and the executions it trained (groups may be short)
-        self._claimed_items: dict[int, int] = {}   # micro-step id -> its executions, while a cell holds it
+        self.micro_items: list[int] = []           # ... and the executions it trained
         self._calls_dist: CallDistribution | None = None   # the cost-aware policy's, rebuilt as executions end
         self._calls_dist_at = -1
         self._planned_for = -1                     # the version the cost-aware plan was last made at
@@ -412,8 +412,7 @@ class Coordinator:
             ms = self.stream.claim(i, self.version)
             if ms is None:
                 return
-            c.busy, c.busy_t0 = True, self.now()
-            self._claimed_items[ms.id] = len(ms.items)
+            c.busy, c.busy_t0, c.micro_n = True, self.now(), len(ms.items)
             self._send(i, Micro(ms.id, self.work.micro_work(ms)))
 
     def _update(self) -> None:
@@ -466,7 +465,7 @@ class Coordinator:
                         self._send(self.order[0], Grads(grads))   # a satellite's gradient, to the core
                         self.relayed_bytes += sum(g.nbytes for g in grads.values())
                     self.micro_s.append(seconds)
-                    self.micro_items.append(self._claimed_items.pop(ms_id, 1))
+                    self.micro_items.append(c.micro_n)
                     self.micro_by_cell[cell] = self.micro_by_cell.get(cell, 0) + 1
                     self.trained_in.setdefault(self.version, set()).add(cell)
                     sums = self.train_stats.setdefault(self.version, {})   # micro-steps train the current version
