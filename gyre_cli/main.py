@@ -46,17 +46,34 @@ def _env_defaults() -> None:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
-def _sigterm_as_interrupt() -> None:
-    """SIGTERM (a scheduler's or `kill`'s stop) unwinds like Ctrl-C: the run says how to resume, and exit
-    handlers run — among them Prefect's, which stops the temporary server it started for this process.
-    Prefect's engine marks the flow run Crashed on SIGTERM and passes the signal on to the handler that was
-    there before; with the default one there, the process did not exit (Prefect 3.9: still running 5
-    minutes later) and its server outlived any kill of it (tests/flows/test_cli_signal.py)."""
+def _stop_signals_as_interrupt() -> None:
+    """Ctrl-C (SIGINT) and SIGTERM (a scheduler's or `kill`'s stop) unwind as KeyboardInterrupt: the run says
+    how to resume, and exit handlers run — among them the one that stops the temporary Prefect server.
+
+    - SIGTERM: Prefect's engine marks the flow run Crashed on it and passes the signal on to the handler that
+      was there before; with the default one, the process did not exit (Prefect 3.9: still running 5 minutes
+      later) and its server outlived any kill of it.
+    - Both: the signal is handled by the main thread at whatever it runs next, and that may be a finalizer
+      (`__del__`, run when the garbage collector frees an object): Python prints an exception raised there
+      and drops it, and the run went on to its end. A signal that lands in one is delivered again once the
+      finalizer has returned (tests/flows/test_cli_signal.py).
+    - SIGINT: with this handler in place, `asyncio.run` / anyio keep it rather than turn Ctrl-C into the
+      cancellation of their task, which a coroutine may swallow."""
+    import _thread
     import signal
+    import threading
 
     def interrupt(signum, frame):
+        f = frame
+        while f is not None:
+            if f.f_code.co_name == "__del__":
+                threading.Timer(0.05, _thread.interrupt_main, args=(signum,)).start()
+                return
+            f = f.f_back
         raise KeyboardInterrupt
 
+    if signal.getsignal(signal.SIGINT) is signal.default_int_handler:   # not where it was started ignoring it
+        signal.signal(signal.SIGINT, interrupt)
     signal.signal(signal.SIGTERM, interrupt)
 
 
@@ -646,7 +663,7 @@ def main(argv: list[str] | None = None) -> int:
     ps.set_defaults(fn=lambda a: print("\n".join(__import__("gyre_core.config", fromlist=["presets"]).presets())) or 0)
     args = p.parse_args(argv)
     if args.cmd in ("train", "evaluate"):
-        _sigterm_as_interrupt()
+        _stop_signals_as_interrupt()
     return args.fn(args)
 
 

@@ -63,3 +63,40 @@ def test_a_stopped_run_takes_its_temporary_prefect_server_with_it(tmp_path, how)
         if proc.poll() is None:                # a failed check leaves no run behind
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
+
+
+_FINALIZER_SIGNAL = """
+import os, signal, sys, time
+if sys.argv[1] == "gyre":
+    from gyre_cli.main import _stop_signals_as_interrupt
+    _stop_signals_as_interrupt()
+
+class Held:
+    def __del__(self):                  # the signal lands while a finalizer runs
+        os.kill(os.getpid(), signal.{sig})
+        for _ in range(1000):
+            pass
+
+try:
+    Held()
+    deadline = time.monotonic() + 3
+    while time.monotonic() < deadline:
+        time.sleep(0.01)
+    print("ran to its end")
+except KeyboardInterrupt:
+    print("interrupted")
+"""
+
+
+@pytest.mark.fault("Ctrl-C or SIGTERM handled while a finalizer (`__del__`) runs", "the command still stops (Python drops an exception raised there; Gyre delivers the signal again)")
+@pytest.mark.parametrize("sig", ["SIGINT", "SIGTERM"])
+def test_a_stop_signal_that_lands_in_a_finalizer_still_stops_the_command(sig):
+    """Python drops an exception raised in `__del__` (it prints 'Exception ignored in'), so a Ctrl-C handled
+    while the garbage collector ran one was lost and `gyre train` ran to its end. Gyre's handler delivers it
+    again after the finalizer; Python's own (the reference: it loses SIGINT there) shows the case is real."""
+    code = _FINALIZER_SIGNAL.replace("{sig}", sig)
+    ours = subprocess.run([sys.executable, "-c", code, "gyre"], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert ours.stdout.strip() == "interrupted", ours.stderr
+    if sig == "SIGINT":
+        plain = subprocess.run([sys.executable, "-c", code, "python"], capture_output=True, text=True, timeout=60)
+        assert plain.stdout.strip() == "ran to its end" and "Exception ignored in" in plain.stderr
