@@ -14,6 +14,12 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 
 
+def _sigint_as_a_terminal_gives_it() -> None:
+    """In the child before it starts: SIGINT at its default. A job started with `&` by a non-interactive
+    shell (`nohup`, a CI script) inherits SIGINT ignored, and Python, like Gyre, then keeps ignoring it."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def _refused(port: int) -> bool:
     try:
         socket.create_connection(("127.0.0.1", port), timeout=10).close()
@@ -33,7 +39,8 @@ def test_a_stopped_run_takes_its_temporary_prefect_server_with_it(tmp_path, how)
          "--set", f"run.out_root={tmp_path / 'runs'}", "--set", f"lake.root={tmp_path / 'lake'}",
          "--set", f"tracking.uri=sqlite:///{tmp_path / 'mlflow.db'}"],
         cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        start_new_session=True)                # a process group of its own, as a shell gives a command
+        start_new_session=True,                # a process group of its own, as a shell gives a command
+        preexec_fn=_sigint_as_a_terminal_gives_it)
     try:
         port, seen = None, []
         for line in proc.stdout:                   # until the flow is running on the server it started
@@ -95,8 +102,10 @@ def test_a_stop_signal_that_lands_in_a_finalizer_still_stops_the_command(sig):
     while the garbage collector ran one was lost and `gyre train` ran to its end. Gyre's handler delivers it
     again after the finalizer; Python's own (the reference: it loses SIGINT there) shows the case is real."""
     code = _FINALIZER_SIGNAL.replace("{sig}", sig)
-    ours = subprocess.run([sys.executable, "-c", code, "gyre"], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    ours = subprocess.run([sys.executable, "-c", code, "gyre"], cwd=ROOT, capture_output=True, text=True, timeout=60,
+                          preexec_fn=_sigint_as_a_terminal_gives_it)
     assert ours.stdout.strip() == "interrupted", ours.stderr
     if sig == "SIGINT":
-        plain = subprocess.run([sys.executable, "-c", code, "python"], capture_output=True, text=True, timeout=60)
+        plain = subprocess.run([sys.executable, "-c", code, "python"], capture_output=True, text=True, timeout=60,
+                               preexec_fn=_sigint_as_a_terminal_gives_it)
         assert plain.stdout.strip() == "ran to its end" and "Exception ignored in" in plain.stderr
