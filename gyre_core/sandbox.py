@@ -10,7 +10,8 @@ runs in new namespaces (user, network, PID, IPC, UTS, cgroup) with
 - **no writes outside the workspace, and no sight of the rest of the host**: only the system (`/usr`,
   `/etc` with its password hashes read as empty, the `/lib`s) and Gyre's Python (its installation and
   virtual environment) are mounted, read-only; the workspace is bound read-write at `/tmp/workspace` (the
-  working directory); `/tmp` is a private tmpfs of `tmp_mb`; `/dev` and `/proc` are the sandbox's own. Not
+  working directory); `/tmp` is a private tmpfs of `tmp_mb` (Gyre's Python bound into it read-only where a
+  checkout lives under /tmp); `/dev` and `/proc` are the sandbox's own. Not
   mounted, so not there: the project, its runs and lakes, a task's hidden tests, home directories, other
   workspaces;
 - **no privileges**: Gyre run as root makes the command `nobody` inside its user namespace with every
@@ -120,10 +121,12 @@ class Sandbox:
         for path in HIDDEN_FILES:
             if os.path.exists(path):
                 args += ["--ro-bind", "/dev/null", path]
+        # the private /tmp before what is bound read-only: Gyre's Python in a checkout under /tmp stays visible
+        args += ["--size", str(self.limits.tmp_mb << 20), "--tmpfs", "/tmp"]
         for path in sorted(python_dirs() | {str(Path(p).resolve()) for p in self.extra_ro}):
             args += ["--ro-bind", path, path]
-        args += ["--size", str(self.limits.tmp_mb << 20), "--tmpfs", "/tmp", "--bind", str(self.workspace), MOUNT,
-                 "--dev", "/dev", "--proc", "/proc", "--chdir", MOUNT, "--clearenv"]
+        args += ["--bind", str(self.workspace), MOUNT, "--dev", "/dev", "--proc", "/proc", "--chdir", MOUNT,
+                 "--clearenv"]
         env = {"PATH": SANDBOX_PATH, "HOME": MOUNT, "LANG": "C.UTF-8", "TMPDIR": "/tmp",
                "PYTHONDONTWRITEBYTECODE": "1", **self.env}
         for k, v in env.items():

@@ -59,6 +59,19 @@ def test_another_workspace_the_project_and_home_are_invisible(boxes):
     assert set(seen) <= pythons, (seen, pythons)
 
 
+def test_what_is_bound_read_only_from_the_hosts_tmp_is_there_and_nothing_else_of_it(boxes, tmp_path):
+    """Gyre's Python in a checkout under /tmp (its virtual environment there) is bound like any read-only
+    directory; the sandbox's own /tmp is mounted first, so it no longer hides it."""
+    _, outside = boxes
+    tools = tmp_path / "checkout" / ".venv"
+    tools.mkdir(parents=True)
+    (tools / "tool.txt").write_text("found\n")
+    box = Sandbox(tmp_path / "workspaces" / "mine", extra_ro=(str(tools),))
+    r = box.run(f"cat {tools}/tool.txt; echo changed > {tools}/tool.txt; cat {outside}; echo end")
+    assert r.output.split("\n")[0] == "found" and "Read-only file system" in r.output, r.output
+    assert "untouched" not in r.output and (tools / "tool.txt").read_text() == "found\n"
+
+
 def test_no_network_not_even_the_hosts_loopback(boxes):
     box, _ = boxes
     server = socket.socket()
