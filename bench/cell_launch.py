@@ -42,13 +42,13 @@ def bench_cells() -> dict:
 
     from gyre_core import phases
     from gyre_core.config import load_config
-    from gyre_core.trainer.trainer import _free_port
+    from gyre_core.ports import free_port
     from gyre_ops.stack import StackSpec, down, up
 
     with tempfile.TemporaryDirectory(prefix="gyre-bench-cells-") as tmp:
         tmp = Path(tmp)
         base = [f"run.out_root={tmp}/runs", f"lake.root={tmp}/lake", f"rl.steps={STEPS}", *ELASTIC, *EVAL]
-        spec = StackSpec(home=tmp / "stack", prefect_port=_free_port(), mlflow_port=_free_port(),
+        spec = StackSpec(home=tmp / "stack", prefect_port=free_port(), mlflow_port=free_port(),
                          device_sets=["cpu", "cpu"])
         up(spec, say=lambda m: None)
         try:

@@ -82,10 +82,10 @@ def _prefect(preset: str, overrides: list[str], n: int, home: Path, run_dir: str
     from prefect.settings import PREFECT_API_URL, temporary_settings
 
     from gyre_core import report
-    from gyre_core.trainer.trainer import _free_port
+    from gyre_core.ports import free_port
     from gyre_ops.stack import StackSpec, down, up
 
-    spec = StackSpec(home=home, prefect_port=_free_port(), mlflow_port=_free_port())
+    spec = StackSpec(home=home, prefect_port=free_port(), mlflow_port=free_port())
     t0 = time.time()
     up(spec, say=lambda m: None)
     up_s = time.time() - t0

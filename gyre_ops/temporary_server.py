@@ -28,7 +28,7 @@ import urllib.request
 from pathlib import Path
 from typing import Callable, Iterator
 
-from gyre_core.engine.vllm import _free_port
+from gyre_core.ports import free_port
 
 DEFAULT_START_TIMEOUT_S = 60.0
 
@@ -70,7 +70,7 @@ class TemporaryServer:
         """Start the server and wait until it answers; one retry on a new port. Returns the API URL."""
         self.home.mkdir(parents=True, exist_ok=True)
         for _ in range(2):
-            port = _free_port()
+            port = free_port()
             self.url = f"http://127.0.0.1:{port}/api"
             env = dict(os.environ, PREFECT_UI_ENABLED="0",
                        # what Prefect's own temporary server sets: no UI, the ephemeral set of services

@@ -27,7 +27,6 @@ import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -38,6 +37,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..ports import free_port
 from .interface import GenRequest, GenResult, mix_seed, validate_requests
 
 PROJECT_ROOT = Path(__file__).resolve().parents[2]
@@ -105,12 +105,6 @@ class ServerSpec:
         return configured or (1e-4 if self.served_dtype == "float32" else 0.25)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def cuda_host() -> bool:
     return shutil.which("nvidia-smi") is not None and subprocess.run(
         ["nvidia-smi", "-L"], capture_output=True).returncode == 0
@@ -169,7 +163,7 @@ class VLLMServer:
 
         if self.proc is not None:
             return self
-        self.port = _free_port()
+        self.port = free_port()
         cmd, env = self.command(), self.environment()
         print(f"gyre: starting a vLLM server for {self.spec.model_dir} on {self.url} (log: {self.log_path})",
               file=sys.stderr, flush=True)

@@ -290,3 +290,82 @@ def test_forbidden_imports_are_found_at_any_depth(tmp_path):
     })
     assert forbidden_imports(mods, root=tmp_path) == [
         "pkg/a.py:5 imports prefect.flows", "pkg/b.py:3 imports bench.lake", "pkg/c.py:2 imports gyre_ops.stack"]
+
+
+# ---- every name imported from the project exists ------------------------------------------------------
+PROJECT = ("gyre_core", "gyre_ops", "gyre_cli", "bench", "flows", "tasks")
+
+
+def top_level_names(m: Module) -> set[str]:
+    """What `from m import NAME` can take without running m: its top-level functions, classes, assigned and
+    imported names (inside top-level if/try blocks too); None of them when m uses `import *`."""
+    names: set[str] = set()
+
+    def visit(body):
+        for node in body:
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                names.add(node.name)
+            elif isinstance(node, (ast.Assign, ast.AnnAssign, ast.AugAssign)):
+                for t in (node.targets if isinstance(node, ast.Assign) else [node.target]):
+                    names.update(n.id for n in ast.walk(t) if isinstance(n, ast.Name))
+            elif isinstance(node, (ast.Import, ast.ImportFrom)):
+                for a in node.names:
+                    if a.name == "*":
+                        names.add("*")
+                    names.add(a.asname or a.name.partition(".")[0])
+            elif isinstance(node, (ast.If, ast.Try, ast.With)):
+                visit(node.body)
+                for extra in (getattr(node, "orelse", []), getattr(node, "finalbody", []),
+                              *[h.body for h in getattr(node, "handlers", [])]):
+                    visit(extra)
+    visit(ast.parse(m.path.read_text(), filename=str(m.path)).body)
+    return names
+
+
+def unresolved_imports(mods: dict[str, Module], root: Path = ROOT) -> list[str]:
+    """`path:line: from X import NAME` for each import (at any depth, lazy ones included) of a module of
+    `mods` that does not exist, or of a name it neither defines at top level nor has as a submodule."""
+    out, tops = [], {name.partition(".")[0] for name in mods}
+    defined = {}
+    for m in mods.values():
+        for line, target, names in m.imports:
+            if target.partition(".")[0] not in tops:
+                continue
+            where = f"{m.path.relative_to(root)}:{line}"
+            if target not in mods:
+                if not any(n and f"{target}.{n}" in mods for n in names):
+                    out.append(f"{where}: no module {target}")
+                continue
+            have = defined.setdefault(target, top_level_names(mods[target]))
+            if "*" in have:
+                continue
+            out += [f"{where}: from {target} import {n}" for n in names
+                    if n != "*" and n not in have and f"{target}.{n}" not in mods]
+    return out
+
+
+def test_every_name_imported_from_the_project_exists():
+    """A lazy import inside a function runs only when that function does: a name moved or renamed elsewhere
+    broke `gyre bench prefect` and `gyre bench cells` (they imported a `_free_port` no longer there) and
+    nothing in the suite ran them."""
+    mods = {}
+    for package in PROJECT:
+        mods.update(modules(ROOT, package))
+    found = unresolved_imports(mods)
+    assert not found, "imports of names that do not exist:\n" + "\n".join(f"  {x}" for x in found)
+    assert len(mods) > 100
+
+
+def test_unresolved_imports_are_found_lazy_relative_and_of_missing_modules(tmp_path):
+    mods = _package(tmp_path, {
+        "pkg/__init__.py": "from pkg.a import f\n",
+        "pkg/a.py": "import os\nX: int = 1\nif os.name:\n    def f():\n        from pkg.b import gone\n"
+                    "else:\n    f = None\ntry:\n    from json import dumps as g\nexcept ImportError:\n    g = None\n",
+        "pkg/b.py": "def h():\n    from pkg.a import f, g, X, os, missing\n    from . import a, nosuch\n"
+                    "    from pkg.sub import deep\n    import pkg.nowhere\n",
+        "pkg/sub/__init__.py": "", "pkg/sub/deep.py": "",
+        "pkg/c.py": "from pkg.star import anything\n", "pkg/star.py": "from os.path import *\n",
+    })
+    assert unresolved_imports(mods, root=tmp_path) == [
+        "pkg/a.py:5: from pkg.b import gone", "pkg/b.py:2: from pkg.a import missing",
+        "pkg/b.py:3: from pkg import nosuch", "pkg/b.py:5: no module pkg.nowhere"]

@@ -15,7 +15,6 @@ from __future__ import annotations
 import dataclasses
 import os
 import re
-import socket
 import subprocess
 import sys
 import time
@@ -24,17 +23,12 @@ from pathlib import Path
 import pytest
 import yaml
 
+from gyre_core.ports import free_port
 from gyre_ops.pools import (PoolError, PoolSpec, QueueSpec, SpecError, check_pool, ensure_pools, load_spec,
                             parse_spec)
 
 ROOT = Path(__file__).resolve().parents[2]
 INFRA = ROOT / "infra"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _wait(predicate, what: str, guard_s: float = 180.0, every_s: float = 0.3):
@@ -53,7 +47,7 @@ def _wait(predicate, what: str, guard_s: float = 180.0, every_s: float = 0.3):
 def server(tmp_path_factory):
     """A Prefect server process of our own on 127.0.0.1; yields its API URL."""
     home = tmp_path_factory.mktemp("prefect-home")
-    port = _free_port()
+    port = free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")}
     env.update(PREFECT_HOME=str(home), PREFECT_UI_ENABLED="false", PREFECT_SERVER_ANALYTICS_ENABLED="false",
                DO_NOT_TRACK="1", PREFECT_API_DATABASE_CONNECTION_URL=f"sqlite+aiosqlite:///{home}/prefect.db",
@@ -181,7 +175,7 @@ def test_gyre_worker_refuses_missing_pool_or_queue(client, capsys):
     assert main(["worker", "--pool", "gyre-worker", "--queue", "rollout", "--devices", "0,zero"]) == 2
     assert "'zero'" in capsys.readouterr().err
 
-    with temporary_settings(updates={PREFECT_API_URL: f"http://127.0.0.1:{_free_port()}/api"}):
+    with temporary_settings(updates={PREFECT_API_URL: f"http://127.0.0.1:{free_port()}/api"}):
         assert main(["worker", "--pool", "gyre-worker", "--queue", "rollout"]) == 1
     err = capsys.readouterr().err.strip()
     assert "cannot reach the Prefect API" in err and len(err.splitlines()) == 1

@@ -13,7 +13,6 @@ import datetime
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -22,13 +21,8 @@ import psutil
 import pytest
 import torch
 
+from gyre_core.ports import free_port
 from gyre_ops.stack import StackError, StackSpec, down, listening, read_state, up
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -38,7 +32,7 @@ def stack(tmp_path_factory):
     # two CPU cell workers run the cell agents of elastic.launch=prefect
     # workers poll every 2 s and the scheduler loops every 5 s (Prefect's defaults: 10 s and 60 s), so the
     # tests wait on their subject, not on polling
-    spec = StackSpec(home=tmp / "home", prefect_port=_free_port(), mlflow_port=_free_port(), zombie_after_s=60,
+    spec = StackSpec(home=tmp / "home", prefect_port=free_port(), mlflow_port=free_port(), zombie_after_s=60,
                      device_sets=["cpu", "cpu"], worker_poll_s=2, scheduler_loop_s=5)
     state = up(spec, say=lambda m: None)
     try:
