@@ -162,11 +162,12 @@ class RealDevice:
         model, tok = load_policy(policy_dir, dtype=getattr(torch, self.train_kw.get("dtype", "float32")),
                                  device=self.train_kw.get("device", "cpu"))
         # sent in the hello (result.cell_devices): where the cell computes, and on how many devices it trains
-        self.replica_devices = other_devices(next(model.parameters()).device)
-        self.label = f"real/{next(model.parameters()).device}"
+        device = next(model.parameters()).device
+        self.replica_devices = other_devices(device)
+        self.label = f"real/{device}"
         if self.replica_devices:
             self.label += f" (trains data-parallel on {1 + len(self.replica_devices)} GPUs)"
-        elif self.label == "real/cpu" and torch.get_num_threads() > 1:   # devices_per_cell > 1 on a CPU host
+        elif device.type == "cpu" and torch.get_num_threads() > 1:   # devices_per_cell > 1 on a CPU host
             self.label += f" (one device, {torch.get_num_threads()} threads)"
         self.replicas = None
         self.pad_id = tok.pad_token_id or 0
