@@ -49,8 +49,8 @@ def share_out(costs: list[int], n: int) -> list[list[int]]:
     return [sorted(s) for s in shares]
 
 
-_FIRST_USE = threading.Lock()      # a packed chunk's first flex kernel per (device, length) compiles alone
-_COMPILED: set[tuple[str, int]] = set()
+_FIRST_USE = threading.Lock()      # a packed chunk's first flex kernel per (length, device) compiles alone
+_COMPILED: set[tuple[int, str]] = set()   # (length, device), as tree_attention's kernel cache
 
 
 def _copy_to(model, device: torch.device):
@@ -156,12 +156,12 @@ class DeviceReplicas:
                     totals[key] = totals.get(key, 0.0) + v
         return totals
 
-    def _first_flex(self, device: torch.device, chunk) -> tuple[str, int] | None:
-        """(device, length) when `chunk` is a packed tree whose compiled flex kernel has not run on
+    def _first_flex(self, device: torch.device, chunk) -> tuple[int, str] | None:
+        """(length, device) when `chunk` is a packed tree whose compiled flex kernel has not run on
         `device` yet: torch.compile is not thread-safe, so that forward and backward run alone."""
         if not self.parallel or device.type != "cuda" or not isinstance(chunk[0], PackedTree):
             return None
-        key = (str(device), flex_length(chunk[0].n_tokens))
+        key = (flex_length(chunk[0].n_tokens), str(device))
         return None if key in _COMPILED else key
 
     def _replica_step(self, model, device: torch.device, chunk, loss_kw: dict) -> dict[str, float]:
