@@ -51,6 +51,8 @@ def train(preset: str = "default", overrides: list[str] | None = None, steps: in
     cfg = load_config(preset, overrides)          # a bad parameter fails here, before any work
     run_dir = rl.prepare(preset, overrides)
     evaluate = not cfg.run.replay                  # a replay trains on a stored run's trajectories only
+    if evaluate and cfg.eval.base:
+        rl.evaluate(run_dir, "base")               # the initial model, on its fresh engine
     rl.warm_start(run_dir)
     if evaluate:
         rl.evaluate(run_dir, "before")

@@ -206,6 +206,10 @@ class WarmStartConfig(_Section):
     """An imperfect demonstrator: at each turn the expert takes a uniformly random action with this
     probability (0: the env's expert as is). The warm start and the supervised control both learn from it
     (successful episodes only); RL is not bound by it."""
+    packed: bool = False
+    """Supervised steps on tree-packed rows (`trainer.packing.micro_steps`): a prefix the batch's sequences
+    share — an agent's system prompt and tool schemas, often half of every sequence — is computed once per
+    micro-step. False: padded rows (cheaper for short, unlike sequences)."""
     longer_than_a_call: Literal["error", "warn"] = "error"
     """A demonstrated action longer than `harness.max_new_tokens` (the stop token included) is one the policy
     can only produce cut. `error`: the warm start stops before training and names the limit that fits.
@@ -296,6 +300,9 @@ class EvalConfig(_Section):
     """Held-out episodes (the first of the same seeds) for the greedy policy reported beside; 0 skips it."""
     random_baseline: bool = True
     """Also report a uniform-random policy on the same seeds."""
+    base: bool = False
+    """Also evaluate the initial model, before the warm start, on the same seeds (sampled): what the warm
+    start bought (a pretrained model's zero-shot figure)."""
     control: bool = True
     """After RL, run the supervised-only control: from the warm start, behaviour cloning on the warm
     start's demonstrations for the RL phase's wall time; evaluated on the same held-out seeds."""
@@ -375,6 +382,8 @@ class EngineConfig(_Section):
     """vLLM on a GPU: the share of its memory vLLM may take."""
     max_model_len: int | None = Field(None, gt=0)
     """vLLM: the longest prompt + completion it accepts (None: the model's own limit)."""
+    threads: int | None = Field(None, gt=0)
+    """vLLM on CPU: the worker's OpenMP threads, bound to the first cores (None: vLLM's choice)."""
     concurrency: int = Field(64, gt=0)
     """vLLM: requests in flight to the server at once."""
     start_timeout_s: float = Field(300.0, gt=0)

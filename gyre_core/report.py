@@ -17,6 +17,7 @@ def summarize(run_dir: str, started_at: float | None = None) -> dict:
 
     run = RunDir.open(run_dir)
     before, after = run.done(eval_marker("before")) or {}, run.done(eval_marker("after")) or {}
+    base = run.done(eval_marker("base")) or {}
     ctrl, ctrl_eval = run.done("control") or {}, run.done(eval_marker("control")) or {}
     steps = run.latest_version()
     per_step = [run.done(publish_marker(v))["metrics"] for v in range(1, steps + 1)]
@@ -24,7 +25,8 @@ def summarize(run_dir: str, started_at: float | None = None) -> dict:
 
     def ev(d: dict, mode: str) -> dict:
         r = d.get(mode) or {}
-        return {"success": r.get("success"), "partial": r.get("partial"), "episodes": r.get("episodes")}
+        return {"success": r.get("success"), "partial": r.get("partial"), "episodes": r.get("episodes"),
+                **{k: r[k] for k in AGENT_STATS if k in r}}
 
     summary: dict = {
         "run_id": run.run_id, "preset": run.cfg.preset, "rl_steps": steps,
@@ -47,6 +49,10 @@ def summarize(run_dir: str, started_at: float | None = None) -> dict:
     if summary["eval_paired"]:
         summary.update(interval(b, a))
         summary["partial_diff"] = interval(b, a, "partial")
+    if base.get("sampled"):   # the initial model, before the warm start
+        summary["base"] = ev(base, "sampled")
+        if b is not None:
+            summary["warm_start_vs_base"] = interval(EvalResult(**base["sampled"]), b)
     if c is not None:   # the supervised-only control, on the same seeds
         summary["control"] = {**ev(ctrl_eval, "sampled"), "budget_s": ctrl.get("budget_s"),
                               "wall_s": ctrl.get("wall_s"), "sft_steps": ctrl.get("sft_steps"),
@@ -72,14 +78,14 @@ def summarize(run_dir: str, started_at: float | None = None) -> dict:
             "tis_clip_frac": over_steps("train/tis_clip_frac", lambda v: sum(v) / len(v)),
             "reload_max_logprob_err": over_steps("engine/reload_max_logprob_err", max)}
     summary["executions"] = sum(r.get("executions", 0) for r in rollouts) + ws.get("demos", 0) + ctrl.get(
-        "demos", 0) + sum((x.get(m) or {}).get("episodes", 0) for x in (before, after, ctrl_eval)
+        "demos", 0) + sum((x.get(m) or {}).get("episodes", 0) for x in (base, before, after, ctrl_eval)
                           for m in ("sampled", "greedy", "random"))
     summary["tokens_generated"] = int(sum(r.get("tokens_generated", 0) for r in rollouts))
     summary["tokens_trained"] = int(sum(m.get("tokens/trained", 0) for m in per_step))
     summary["executions_collapsed"] = int(sum(m.get("dedup/collapsed", 0) for m in per_step))   # dedup
     phases = {
         "warm_start": ws.get("wall_s", 0.0),
-        "eval": before.get("wall_s", 0.0) + after.get("wall_s", 0.0) + ctrl_eval.get("wall_s", 0.0),
+        "eval": sum(x.get("wall_s", 0.0) for x in (base, before, after, ctrl_eval)),
         "rollout": sum(m.get("time/rollout_s", 0.0) for m in per_step),
         "score": sum(m.get("time/score_s", 0.0) for m in per_step),
         "process": sum(m.get("time/process_s", 0.0) for m in per_step),
@@ -117,6 +123,8 @@ def summarize(run_dir: str, started_at: float | None = None) -> dict:
 
 
 PHASES = ("rollout", "score", "process", "train", "publish")
+AGENT_STATS = ("calls_per_execution", "compactions_per_execution", "tool_calls_per_execution",
+               "tool_parse_failure_rate")     # phases.held_out.agent_stats, per held-out evaluation
 
 
 def step_row(run_dir: str, step: int) -> dict:
@@ -179,6 +187,7 @@ def summary_markdown(run_dir: str, summary: dict) -> str:
            f"| {pct(b['success'])} | {pct(a['success'])} |",
            f"| greedy | {pct(s['eval_before_greedy']['success'])} | {pct(s['eval_after_greedy']['success'])} |",
            f"| uniform-random policy | {pct(s['eval_random']['success'])} | |",
+           *([f"| initial model, before the warm start | {pct(s['base']['success'])} | |"] if "base" in s else []),
            f"| {_demonstrator(s['expert'])}, same turn limit | {pct(s['expert']['success'])} | |", ""]
     if "ci95_low" in s:
         out += [f"**After − before:** {ci(s)}", ""]
@@ -251,6 +260,13 @@ def render_summary(s: dict) -> None:
     t.add_row("held-out success (sampled)", pct(s["eval_before"]["success"]), pct(s["eval_after"]["success"]))
     t.add_row("held-out success (greedy)", pct(s["eval_before_greedy"]["success"]), pct(s["eval_after_greedy"]["success"]))
     t.add_row("mean partial score (sampled)", f"{s['eval_before']['partial'] or 0:.3f}", f"{s['eval_after']['partial'] or 0:.3f}")
+    b, a = s["eval_before"], s["eval_after"]
+    if "calls_per_execution" in b or "calls_per_execution" in a:
+        def per(d):
+            return "/".join("—" if d.get(k) is None else f"{d[k]:.1f}" for k in AGENT_STATS[:3])
+        t.add_row("model calls / compactions / tool calls per execution", per(b), per(a))
+    if "tool_parse_failure_rate" in b or "tool_parse_failure_rate" in a:
+        t.add_row("tool-call parse failures", pct(b.get("tool_parse_failure_rate")), pct(a.get("tool_parse_failure_rate")))
     if "ci95_low" in s:
         t.add_row("paired difference, 95% CI", "", f"{100 * s['diff']:+.1f} [{100 * s['ci95_low']:+.1f}, {100 * s['ci95_high']:+.1f}]")
     if "partial_diff" in s:
@@ -267,6 +283,11 @@ def render_summary(s: dict) -> None:
                       f"{100 * r['diff']:+.1f} [{100 * r['ci95_low']:+.1f}, {100 * r['ci95_high']:+.1f}]")
     if s["eval_random"].get("success") is not None:
         t.add_row("uniform-random policy", pct(s["eval_random"]["success"]), "")
+    if "base" in s:
+        w = s.get("warm_start_vs_base")
+        t.add_row("initial model, before the warm start", pct(s["base"]["success"]),
+                  "" if not w else f"warm start − initial {100 * w['diff']:+.1f} [{100 * w['ci95_low']:+.1f}, "
+                                   f"{100 * w['ci95_high']:+.1f}]")
     if s["expert"]["episodes"]:
         t.add_row(f"{_demonstrator(s['expert'])}, same turn limit ({s['expert']['episodes']} demo seeds)",
                   pct(s["expert"]["success"]), "")

@@ -29,6 +29,7 @@ from .lake.store import STEP_PART_PREFIX, step_part  # noqa: F401  (a step's par
 _CACHE: dict[tuple[str, str], object] = {}
 
 CONTROL_VERSION = -3   # policy_version recorded for the supervised-only control (not on the RL lineage)
+BASE_VERSION = -1      # the initial model, before the warm start (what a fresh engine holds)
 
 
 # -- names: every marker and lake part a run writes ---------------------------------------------------

@@ -382,15 +382,9 @@ def train_micro_step(trainer, ms: MicroStep, *, max_tokens: int, packed: bool = 
     several devices), which share the chunks out over the cell's devices. Returns the summed stats of its
     chunks.
     """
-    from ..processor.batch import micro_batches
+    from ..trainer.packing import micro_steps
 
-    seqs = [sq for payload in ms.payloads for sq in payload]
-    if packed:
-        from ..trainer.packing import pack_branches
-
-        chunks = [[t] for t in pack_branches(seqs, max_tokens=max_tokens)]
-    else:
-        chunks = micro_batches(seqs, max_tokens)
+    chunks = micro_steps([sq for payload in ms.payloads for sq in payload], max_tokens, packed)
     totals: dict[str, float] = {"executions": float(ms.n_executions)}
     if replicas is not None:
         return {**replicas.micro_step(chunks, **loss_kw), **totals}

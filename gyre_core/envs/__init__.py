@@ -24,13 +24,17 @@ from gyre_core.envs.protocol import (
     Environment,
     Score,
     StepResult,
+    env_actions,
+    has_random_action,
     missing_members,
+    random_action,
     supports,
 )
 
 __all__ = [
     "HOOKS", "Environment", "Score", "StepResult", "check_environment", "close_env", "configured_env",
-    "load_env", "missing_members", "reset_env", "split_of", "supports",
+    "env_actions", "has_random_action", "load_env", "missing_members", "random_action", "reset_env", "split_of",
+    "supports",
 ]
 
 # Text no environment should accept as an action.
@@ -175,9 +179,9 @@ def _check_members(env: Any, seeds: tuple[int, ...], steps: int) -> list[str]:
     out = []
     if not isinstance(env.name, str) or not env.name:
         out.append("name must be a non-empty str")
-    acts = env.actions
-    if not isinstance(acts, tuple) or not acts:
-        out.append("actions must be a non-empty tuple of str")
+    acts = getattr(env, "actions", ())
+    if not isinstance(acts, tuple):
+        out.append("actions must be a tuple of str (empty, or left out, for an open-ended env)")
     elif not all(isinstance(a, str) and a and a == a.strip() and "\n" not in a for a in acts):
         out.append("actions must be non-empty text on one line, without leading or trailing whitespace")
     elif len(set(acts)) != len(acts):
@@ -185,6 +189,11 @@ def _check_members(env: Any, seeds: tuple[int, ...], steps: int) -> list[str]:
     text = env.instructions()
     if not isinstance(text, str) or not text.strip():
         out.append("instructions() must return non-empty text")
+    if not isinstance(getattr(env, "free_text", False), bool):
+        out.append("free_text must be a bool")
+    if not acts and not supports(env, "random_action") and not supports(env, "expert_action"):
+        out.append("an env without actions needs random_action or expert_action (the contract check, the "
+                   "random floor and the warm start have nothing else to act with)")
     return out
 
 
@@ -215,14 +224,14 @@ def _check_steps(env: Any, seeds: tuple[int, ...], steps: int) -> list[str]:
         reset_env(env, seed, "train")
         out += _score_problems(env, f"seed {seed} after reset")
         for i, action in enumerate(probe):
-            res = env.step(action)
+            res = _act(env, action)
             if not isinstance(res, StepResult):
                 return out + [f"step() must return StepResult, got {type(res).__name__}"]
             types = (type(res.observation), type(res.done), type(res.valid))
             if types != (str, bool, bool):
                 out.append("StepResult fields must be (str, bool, bool)")
             if not res.valid:
-                out.append(f"step({action!r}) with an action from `actions` gave valid=False")
+                out.append(f"step({action!r}) with an action from `actions` (or `random_action`) gave valid=False")
             out += _score_problems(env, f"seed {seed} step {i}")
             if not isinstance(env.summary(), str):
                 out.append("summary() must return str")
@@ -239,9 +248,13 @@ def _check_invalid_action(env: Any, seeds: tuple[int, ...], steps: int) -> list[
         at = len(ref) // 2  # inject in the middle of the episode, before a step that was not yet done
         reset_env(env, seed, "train")
         for action in probe[:at]:
-            env.step(action)
+            _act(env, action)
         score_before, summary_before = env.score(), env.summary()
         bad = env.step(INVALID_ACTION)
+        if getattr(env, "free_text", False):   # every non-empty text is an action: junk must be taken as one
+            if not isinstance(bad, StepResult) or not bad.valid or not isinstance(bad.observation, str):
+                out.append(f"free_text env: step({INVALID_ACTION!r}) must return StepResult with valid=True")
+            continue
         if not isinstance(bad, StepResult) or bad.valid:
             out.append(f"step({INVALID_ACTION!r}) must return StepResult with valid=False")
             continue
@@ -255,6 +268,38 @@ def _check_invalid_action(env: Any, seeds: tuple[int, ...], steps: int) -> list[
         if [r.observation for r in rest] != [r.observation for r in ref[at:]]:
             out.append("an invalid action changed the state: later observations differ")
     return out
+
+
+def _tool_calls(env: Any, action: str):
+    """The tool calls `action` makes (the harness's format) when `env` has tools; None if it makes none."""
+    from gyre_core.harness.tools import PARSE_NONE, parse_tool_calls
+
+    if not supports(env, "tools") or "<tool_call>" not in action:
+        return None
+    parsed = parse_tool_calls(action)
+    return None if parsed.status == PARSE_NONE else parsed
+
+
+def _act(env: Any, action: str) -> StepResult:
+    """One turn as the harness plays it: tool calls run through `call_tool` (their results are the
+    observation; a failing tool is an error result), anything else goes to `step`."""
+    from gyre_core.harness.tools import PARSE_OK
+
+    parsed = _tool_calls(env, action)
+    if parsed is None:
+        return env.step(action)
+    if parsed.status != PARSE_OK:
+        return StepResult(f"malformed tool call: {parsed.error}", done=False, valid=False)
+    results = []
+    for c in parsed.calls:
+        try:
+            out = env.call_tool(c.name, c.arguments)
+        except Exception as exc:  # noqa: BLE001 - a tool's failure is the agent's observation
+            out = f"error: {type(exc).__name__}: {exc}"
+        if isinstance(out, StepResult):
+            return out
+        results.append(str(out))
+    return StepResult("\n".join(results), done=False)
 
 
 def _expert_tool_calls(env: Any, action: str, tools: set[str]) -> str | None:
@@ -291,7 +336,7 @@ def _check_expert(env: Any, seeds: tuple[int, ...], steps: int) -> list[str]:
                 if called:
                     return [f"expert_action(): {called}"]
                 continue
-            if action not in env.actions:
+            if env_actions(env) and action not in env_actions(env):
                 return [f"expert_action() returned {action!r}, not one of actions or None"]
             res = env.step(action)
             if not res.valid:
@@ -333,9 +378,9 @@ def _check_corpus(env: Any, seeds: tuple[int, ...], steps: int) -> list[str]:
     if len(ref) < 2 or ref[0].done:
         return []
     reset_env(env, seeds[0], "train")
-    env.step(probe[0])
+    _act(env, probe[0])
     list(itertools.islice(env.corpus(1, 7), 200))
-    if env.step(probe[1]).observation != ref[1].observation:
+    if _act(env, probe[1]).observation != ref[1].observation:
         return ["corpus() disturbed the current episode"]
     return []
 
@@ -405,7 +450,7 @@ def _check_progress(env: Any, seeds: tuple[int, ...], steps: int) -> list[str]:
                 out.append(f"seed {seed}: progress() returned {p!r}, not a number in [0, 1]")
                 break
             env.progress()
-            if env.step(action).observation != ref[i].observation:
+            if _act(env, action).observation != ref[i].observation:
                 out.append(f"seed {seed}: calling progress() changed the episode")
                 break
         else:
@@ -431,10 +476,13 @@ def _probe(env: Any, seed: int, steps: int) -> list[str]:
                 action = env.expert_action()
             except Exception:  # reported by the expert check; probe randomly here
                 use_expert = False
-        if action not in env.actions:
-            action = rng.choice(env.actions)
+        if action is None or (env_actions(env) and action not in env_actions(env)
+                              and _tool_calls(env, action) is None):
+            if not has_random_action(env):
+                break
+            action = random_action(env, rng)
         out.append(action)
-        if env.step(action).done:
+        if _act(env, action).done:
             break
     return out
 
@@ -448,7 +496,7 @@ def _run(env: Any, actions: list[str]) -> list[StepResult]:
     """Step through `actions`, stopping after the step that ended the episode."""
     results = []
     for a in actions:
-        results.append(env.step(a))
+        results.append(_act(env, a))
         if results[-1].done:
             break
     return results

@@ -34,6 +34,14 @@ Optional hooks (use `supports(env, hook)` to ask whether an env has one):
   works on into the empty directory `path` (its working directory) and return the task text it is given
   (`GYRE_TASK`); when the agent has exited, score what it left in `path` (an exception is an evaluator
   failure, retried as `score`'s). Both or neither.
+- `random_action(self, rng: random.Random) -> str` — what a uniformly random agent would do now (a text
+  action, or a tool call in the harness's format): the random floor of evaluations and the noise of an
+  imperfect demonstrator (`warmstart.expert_epsilon`). Without it both draw from `actions`; an environment
+  with neither has no random floor.
+- `expert_reply(self, messages: list[dict]) -> str` — the expert as an agent program's model: its reply
+  (completion text, tool calls in the harness's format) to a request's OpenAI chat messages, from what the
+  conversation shows. The warm start serves it through the recording proxy, so an unmodified agent program
+  (`harness.command`) records its own demonstrations as the exact tokens RL will see.
 - `close(self) -> None` — called once an execution is over (scored or failed): let go of what the
   environment holds per execution (an interpreter, a game process, a container). An exception is reported
   and does not fail the execution.
@@ -44,17 +52,20 @@ control), so an environment with its own train/test data need not guess from the
 
 Actions are text: `actions` lists commands the agent may give (a word such as `forward`, or a phrase such
 as `take red apple from counter`), which the uniform-random baseline draws from and the expert answers
-with; `step()` receives whatever the model wrote and parses it as the environment likes.
+with; `step()` receives whatever the model wrote and parses it as the environment likes. An open-ended
+environment (free-text answers, no finite list) leaves `actions` empty (or out) and may offer
+`random_action`; one that sets `free_text = True` says that every non-empty text is a valid action (a wrong
+answer is still an answer), and the contract check then holds it to that instead of to refusing junk.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
-REQUIRED_ATTRIBUTES = ("name", "actions")
+REQUIRED_ATTRIBUTES = ("name",)
 REQUIRED_METHODS = ("instructions", "reset", "mission", "step", "score", "summary")
 HOOKS = ("expert_action", "corpus", "save_state", "restore_state", "progress", "tools", "call_tool",
-         "setup_workspace", "score_workspace", "close")
+         "setup_workspace", "score_workspace", "random_action", "expert_reply", "close")
 PAIRED = (("save_state", "restore_state"), ("tools", "call_tool"), ("setup_workspace", "score_workspace"))
 
 
@@ -76,7 +87,8 @@ class Score:
 @runtime_checkable
 class Environment(Protocol):
     name: str                              # e.g. the level id
-    actions: tuple[str, ...]               # commands (words or phrases) a uniform-random baseline draws from
+    # optional: `actions: tuple[str, ...]`, commands (words or phrases) a uniform-random baseline draws from;
+    # `free_text: bool`, every non-empty text is a valid action
 
     def instructions(self) -> str: ...     # system-prompt text: what the agent is and how to answer
     def reset(self, seed: int) -> str: ... # start episode `seed` (deterministic), return first observation
@@ -101,3 +113,24 @@ def supports(env: object, hook: str) -> bool:
         raise ValueError(f"unknown hook {hook!r}; known hooks: {', '.join(HOOKS)}")
     pair = next((p for p in PAIRED if hook in p), (hook,))
     return all(callable(getattr(env, h, None)) for h in pair)
+
+
+def env_actions(env: object) -> tuple[str, ...]:
+    """The env's listed actions (none for an open-ended env)."""
+    return tuple(getattr(env, "actions", None) or ())
+
+
+def has_random_action(env: object) -> bool:
+    """Whether a uniformly random action can be drawn here (`random_action`, else a non-empty `actions`)."""
+    return supports(env, "random_action") or bool(env_actions(env))
+
+
+def random_action(env: object, rng) -> str:
+    """A uniformly random action: the env's `random_action(rng)`, else one of `actions`."""
+    if supports(env, "random_action"):
+        return env.random_action(rng)
+    acts = env_actions(env)
+    if not acts:
+        raise ValueError(f"environment {getattr(env, 'name', type(env).__name__)!r} lists no actions and has no "
+                         "random_action hook: it has no random floor (set eval.random_baseline=false)")
+    return rng.choice(acts)

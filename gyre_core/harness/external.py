@@ -1,7 +1,7 @@
 """External agent harnesses: any agent program, run once per execution, talking to the policy through the
 recording proxy.
 
-    records = run_external(cfg, chat, stop_texts, engine, temperature, specs, make_env, on_finish=tick)
+    records = run_external(cfg, chat, stop_texts, CellPool([engine]), temperature, specs, make_env, on_finish=tick)
 
 For each execution: the environment is reset to its seed and sets up an empty workspace
 (`setup_workspace`); `harness.command` runs there as a subprocess with
@@ -79,16 +79,15 @@ def resolve_command(command: list[str]) -> list[str]:
     return out
 
 
-def run_external(cfg, chat, stop_texts: dict[int, str], engine, temperature: float, specs, make_env,
+def run_external(cfg, chat, stop_texts: dict[int, str], pool, temperature: float | None, specs, make_env,
                  on_finish=None, model_name: str = "gyre-policy") -> list[ExecutionRecord]:
     """Run `specs` with the external harness `cfg.harness.command`, `cfg.rollout.concurrency` at once, through a
-    proxy on `engine` sampling at `temperature`; the records in the order of `specs`."""
+    proxy generating on `pool` (`proxy.pool`: a `CellPool` of engines sampling at `temperature`, or an
+    `ExpertPool`, whose `bind` is told each execution's environment); the records in the order of `specs`."""
     from ..proxy import open_proxy
-    from ..proxy.pool import CellPool
 
     command = resolve_command(cfg.harness.command)
-    with open_proxy(cfg, chat, stop_texts, CellPool([engine], cfg.proxy.chunk_tokens), temperature,
-                    model_name) as (proxy, server), \
+    with open_proxy(cfg, chat, stop_texts, pool, temperature, model_name) as (proxy, server), \
             ThreadPoolExecutor(max_workers=cfg.harness.score_workers, thread_name_prefix="gyre-evaluator") as evaluators, \
             ThreadPoolExecutor(max_workers=min(cfg.rollout.concurrency, len(specs)) or 1,
                                thread_name_prefix="gyre-agent") as agents:
@@ -100,6 +99,8 @@ def run_external(cfg, chat, stop_texts: dict[int, str], engine, temperature: flo
 
         def one(spec):      # the agent's slot is free again while its workspace is scored
             env = make_env()
+            if hasattr(pool, "bind"):
+                pool.bind(spec.execution_id, env, spec.seed)
             try:
                 rec, workspace = run_agent(cfg, proxy, server.base_url, command, spec, env, serving=server.alive)
             except BaseException:

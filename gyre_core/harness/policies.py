@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import random
 
+from ..envs.protocol import env_actions, has_random_action, random_action
 from .loop import Completion, ModelCall
 
 
@@ -68,21 +69,22 @@ class ExpertPolicy(_TextPolicy):
     def choose_for(self, execution) -> str:
         if self.epsilon > 0:
             rng = random.Random(f"{self.seed}:{execution.record.seed}:{execution.record.turns}")
-            if rng.random() < self.epsilon:
-                return rng.choice(execution.env.actions)
+            if rng.random() < self.epsilon and has_random_action(execution.env):
+                return random_action(execution.env, rng)
         return self.choose(execution.env)
 
     def choose(self, env) -> str:
         action = env.expert_action()
-        return action if action is not None else env.actions[-1]
+        return action if action is not None else env_actions(env)[-1]
 
 
 class RandomPolicy(_TextPolicy):
-    """Uniform over the environment's action words: the floor every evaluation reports."""
+    """Uniform over the environment's actions (its `random_action`, else its action words): the floor every
+    evaluation reports."""
 
     def __init__(self, tokenizer, stop_id: int, seed: int):
         super().__init__(tokenizer, stop_id)
         self.rng = random.Random(seed)
 
     def choose(self, env) -> str:
-        return self.rng.choice(env.actions)
+        return random_action(env, self.rng)

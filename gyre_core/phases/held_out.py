@@ -14,7 +14,7 @@ import time
 from dataclasses import dataclass
 
 from ..config import GyreConfig
-from ..run import CONTROL_VERSION, RunDir, eval_marker, eval_part
+from ..run import BASE_VERSION, CONTROL_VERSION, RunDir, eval_marker, eval_part
 from ..seeds import eval_stream
 from ..ui import phase
 from .run_objects import engine_at, policy_bundle, run_policy, write_records
@@ -62,19 +62,19 @@ def held_out(cfg: GyreConfig, label: str, modes: list[EvalMode], run_id: str, ve
         with phase(f"evaluate {label}: {mode.name}", len(specs)) as tick:
             recs = run_specs(specs, policy, lambda r: tick())
         records += recs
-        out[mode.name] = summarize(label, mode.name, seeds, [r.success for r in recs], [r.partial for r in recs],
-                                   [r.turns for r in recs]).to_dict()
+        out[mode.name] = {**summarize(label, mode.name, seeds, [r.success for r in recs], [r.partial for r in recs],
+                                     [r.turns for r in recs]).to_dict(), **agent_stats(recs)}
     return records, out
 
 
 def evaluate(run_dir: str, label: str, version: int | None = None) -> dict:
     """Sampled policy (and greedy, random beside it) on the held-out seeds; recomputed if the version moved.
 
-    "before" is the warm-started policy (v0), "control" the supervised-only control, anything else the
-    newest RL version."""
+    "base" is the initial model (before the warm start: `eval.base`), "before" the warm-started policy (v0),
+    "control" the supervised-only control, anything else the newest RL version."""
     run = RunDir.open(run_dir)
     if version is None:
-        version = {"before": 0, "control": CONTROL_VERSION}.get(label, None)
+        version = {"base": BASE_VERSION, "before": 0, "control": CONTROL_VERSION}.get(label, None)
         version = run.latest_version() if version is None else version
     if (m := run.done(eval_marker(label))) is not None and m["version"] == version:
         return m
@@ -82,7 +82,7 @@ def evaluate(run_dir: str, label: str, version: int | None = None) -> dict:
 
     cfg, t0 = run.cfg, time.time()
     b = policy_bundle(run)
-    modes = eval_modes(cfg, greedy=label != "control", floor=label == "before")   # the control: sampled, as RL is
+    modes = eval_modes(cfg, greedy=label not in ("control", "base"), floor=label == "before")   # sampled, as RL is
     engine = engine_at(run, version) if any(m.temperature is not None for m in modes) else None
     records, summaries = held_out(
         cfg, label, modes, run.run_id, version, f"{run.run_id}/eval-{label}-",
@@ -92,3 +92,16 @@ def evaluate(run_dir: str, label: str, version: int | None = None) -> dict:
     return run.mark(eval_marker(label), {"label": label, "version": version, **summaries,
                                          "wall_s": time.time() - t0})
 
+
+def agent_stats(records) -> dict[str, float]:
+    """What an agent did, per execution: model calls, compactions (contexts opened from a summary), and, for an
+    environment with tools, tool calls made and the share of completions whose tool call could not be parsed
+    (the malformed ones among those that tried a tool call or answered)."""
+    n = max(len(records), 1)
+    out = {"calls_per_execution": sum(len(r.calls) for r in records) / n,
+           "compactions_per_execution": sum(r.compactions for r in records) / n}
+    parsed = [c for r in records for c in r.calls if c.tool_parse]
+    if parsed:
+        out["tool_calls_per_execution"] = sum(len(c.tool_spans) for c in parsed) / n
+        out["tool_parse_failure_rate"] = sum(c.tool_parse == "malformed" for c in parsed) / len(parsed)
+    return out

@@ -18,10 +18,13 @@ def preflight(cfg: GyreConfig):
     environment loads with its kwargs, a run of this name holds the same config, the lake takes writes, an
     elastic fleet fits this host. `gyre train` calls it before Prefect starts; `prepare` again (a run
     started from a deployment). Raises `ConfigError` naming the field; returns (env, lake)."""
-    from ..envs import configured_env
+    from ..envs import configured_env, has_random_action
     from ..lake import Lake
 
     env = configured_env(cfg.env)
+    if cfg.eval.random_baseline and not has_random_action(env):
+        raise ConfigError(f"eval.random_baseline: environment {cfg.env.target!r} lists no actions and has no "
+                          "random_action hook, so it has no random floor; set eval.random_baseline=false")
     if cfg.harness.command:
         from ..harness.external import resolve_command
 

@@ -18,6 +18,7 @@ import pyarrow as pa
 from ..run import RunDir, ckpt_tag, process_part, publish_marker, score_part, step_marker, step_part
 from ..seeds import rollout_stream, sampling_seed
 from ..ui import phase
+from .held_out import agent_stats
 from .run_objects import (drop_trainer, engine_at, hold_trainer, read_records, reload_checks, replayed_records, rng_state,
                           run_lake, run_policy, trainer_at, tracker, write_records)
 
@@ -59,10 +60,7 @@ def rollout(run_dir: str, step: int) -> str:
         "tokens_generated": sum(r.tokens_generated for r in records), "rollout_s": time.time() - t0,
         "evaluator_s": sum(r.evaluator_s for r in records) / n,
     }
-    parsed = [c for r in records for c in r.calls if c.tool_parse]     # calls of an environment with tools
-    if parsed:
-        stats["tool_calls"] = sum(len(c.tool_spans) for c in parsed)
-        stats["tool_parse_failure_rate"] = sum(c.tool_parse == "malformed" for c in parsed) / len(parsed)
+    stats.update(agent_stats(records))      # calls, compactions, tool calls per execution; tool parse failures
     if (check := reload_checks(run).get(step)) is not None:    # this version's weights went to a server
         stats["reload_max_logprob_err"], stats["reload_mean_logprob_err"] = check["max"], check["mean"]
     return run.mark(step_marker("rollout", step), stats)["part"]
@@ -207,18 +205,13 @@ def train(run_dir: str, step: int) -> str:
 
 
 def _train_step(run: RunDir, step: int, batch, t0: float) -> str:
-    from ..processor.batch import micro_batches
+    from ..trainer.packing import micro_steps, packing_stats
 
     cfg, rl = run.cfg, run.cfg.rl
     seqs = batch.sequences
-    if cfg.processor.mode == "tree":   # every unique token forwarded and back-propagated once
-        from ..trainer.packing import pack_branches, packing_stats
-
-        chunks = [[t] for t in pack_branches(seqs, max_tokens=rl.micro_batch_tokens)]
-        packing = packing_stats(seqs, [c[0] for c in chunks])
-    else:
-        chunks = micro_batches(seqs, rl.micro_batch_tokens)
-        packing = {}
+    packed = cfg.processor.mode == "tree"    # every unique token forwarded and back-propagated once
+    chunks = micro_steps(seqs, rl.micro_batch_tokens, packed)
+    packing = packing_stats(seqs, [c[0] for c in chunks]) if packed else {}
     backtracks = 0
     while True:
         trainer, lr = trainer_at(run, step), rl.lr * 0.5 ** backtracks
@@ -330,5 +323,6 @@ def step_metrics(run: RunDir, step: int) -> dict[str, float]:
         # only where they were measured: TIS on (`rl.tis_cap`), weights loaded into a server, tools
         **({"train/tis_clip_frac": tr["tis_clip_frac"]} if "tis_clip_frac" in tr else {}),
         **{f"engine/{k}": ro[k] for k in ("reload_max_logprob_err", "reload_mean_logprob_err") if k in ro},
-        **{f"rollout/{k}": ro[k] for k in ("tool_calls", "tool_parse_failure_rate") if k in ro},
+        **{f"rollout/{k}": ro[k] for k in ("calls_per_execution", "compactions_per_execution",
+                                            "tool_calls_per_execution", "tool_parse_failure_rate") if k in ro},
     }

@@ -20,7 +20,8 @@ from typing import Any
 import pyarrow as pa
 
 from ..config import GyreConfig
-from ..run import CONTROL_VERSION, RunDir, ckpt_tag
+from ..envs.protocol import supports
+from ..run import BASE_VERSION, CONTROL_VERSION, RunDir, ckpt_tag
 
 _ENGINE_LOCK = threading.RLock()
 
@@ -97,6 +98,8 @@ def engine_at(run: RunDir, version: int):
     engine's reload is checked against the published weights' own log-probs (`check_reload`)."""
     bundle = policy_bundle(run)
     eng = bundle.engine
+    if eng.version != version and version == BASE_VERSION:
+        raise RuntimeError("the initial model is evaluated on a fresh engine only (before any version is loaded)")
     if eng.version != version:
         uri = run.weights_uri("control" if version == CONTROL_VERSION else version)
         if run.cfg.engine.kind == "local":
@@ -152,14 +155,22 @@ def env_factory(cfg: GyreConfig, rollout: bool = False):
 def run_specs(cfg: GyreConfig, bundle: PolicyBundle, specs, policy, on_finish=None, rollout: bool = False) -> list:
     """Run `specs` through the harness with `policy` on the config's environments; the finished records. With
     `harness.command` the model's executions run that external harness through the recording proxy
-    (`harness.external`); scripted policies (the expert's demonstrations) always use Gyre's own."""
+    (`harness.external`), and so do the expert's demonstrations where the environment can answer the
+    program's requests (`expert_reply`: the proxy serves the expert as the model); other scripted policies
+    (the random floor) use Gyre's own harness."""
     from ..harness.loop import run_executions
-    from ..harness.policies import EnginePolicy
+    from ..harness.policies import EnginePolicy, ExpertPolicy
 
-    if cfg.harness.command and isinstance(policy, EnginePolicy):
+    if cfg.harness.command and (isinstance(policy, EnginePolicy) or (
+            isinstance(policy, ExpertPolicy) and supports(env_factory(cfg)(), "expert_reply"))):
         from ..harness.external import run_external
+        from ..proxy.pool import CellPool, ExpertPool
 
-        return run_external(cfg, bundle.chat, bundle.stop_texts, policy.engine, policy.temperature, specs,
+        if isinstance(policy, EnginePolicy):
+            pool, temperature = CellPool([policy.engine], cfg.proxy.chunk_tokens), policy.temperature
+        else:       # the expert as the agent program's model: its demonstrations in the program's own tokens
+            pool, temperature = ExpertPool(bundle.tokenizer, bundle.stop_id, policy.epsilon, policy.seed), None
+        return run_external(cfg, bundle.chat, bundle.stop_texts, pool, temperature, specs,
                             env_factory(cfg, rollout), on_finish, model_name=served_model_name(cfg))
 
     return run_executions(specs, policy, cfg.harness, env_factory(cfg, rollout), bundle.chat, bundle.stop_texts,

@@ -98,7 +98,8 @@ def behaviour_cloning(run: RunDir, model, tok, records, label: str, n_steps: int
     sampled with replacement across steps, a per-token mean over each batch. Stops after `n_steps`
     optimizer steps, or at the first step boundary once `budget_s` seconds have passed. The rate
     follows `supervised_lr`; `on_step(steps_done, trainer)` is called after every step."""
-    from ..processor.batch import build_batch, micro_batches
+    from ..processor.batch import build_batch
+    from ..trainer.packing import micro_steps
     from ..trainer.trainer import Trainer
 
     cfg, ws, t0 = run.cfg, run.cfg.warmstart, time.time()
@@ -120,7 +121,7 @@ def behaviour_cloning(run: RunDir, model, tok, records, label: str, n_steps: int
             trainer.set_lr(supervised_lr(ws, len(losses), n_steps))
             chunk = rng.sample(batch.sequences, min(ws.batch_size, len(batch.sequences)))
             n_tok = sum(s.n_trainable for s in chunk)
-            parts = micro_batches(chunk, cfg.rl.micro_batch_tokens)
+            parts = micro_steps(chunk, cfg.rl.micro_batch_tokens, packed=ws.packed)
             loss = sum(trainer.micro_step(p, float(n_tok), objective="nll", last=k == len(parts) - 1)["loss"]
                        for k, p in enumerate(parts))
             trainer.optimizer_step()

@@ -7,6 +7,7 @@
     pool.open_cell(0); pool.release(key); pool.stop()
 
     pool = RouterPool(router)           # the elastic phase's router to cell processes instead (same interface)
+    pool = ExpertPool(tokenizer, stop_id)  # the environment's expert as the model (demonstrations)
 
 Each cell is an engine (`gyre_core.engine`: local or vLLM) driven by one thread. A call is bound to the
 cell that served its context before (its K/V cache is there) while that cell is open, else to the open
@@ -48,6 +49,7 @@ class Job:
     moves: int = 0
     cancelled: bool = False     # the caller went away (or its execution ended): dropped at the next round
     owner: str = ""             # the execution it belongs to (the elastic router binds executions to cells)
+    request: dict | None = None  # a chat request's {"messages", "tools"}: what a scripted pool answers from
     future: Future = field(default_factory=Future)
 
 
@@ -309,3 +311,58 @@ class RouterPool:
 
     def stop(self) -> None:
         self._calls.shutdown(wait=False, cancel_futures=True)
+
+
+class ExpertPool:
+    """The environment's expert behind the proxy, as if it were the model: each chat call of an execution is
+    answered by that execution's environment (`expert_reply(messages, tools)`, bound with `bind`) — or, with
+    probability `epsilon`, by its `random_action` (an imperfect demonstrator, drawn from the execution's seed
+    and call number) — tokenised as a completion the model could have written, the stop token appended. An
+    unmodified agent program thus records demonstrations as the exact tokens RL will see: its own system
+    prompt, its tool schemas, its compaction and sub-agents. Same interface as `CellPool`."""
+
+    version = -1           # scripted: no policy version
+
+    def __init__(self, tokenizer, stop_id: int, epsilon: float = 0.0, seed: int = 0) -> None:
+        self.tokenizer, self.stop_id, self.epsilon, self.seed = tokenizer, stop_id, epsilon, seed
+        self.moves = 0
+        self._envs: dict[str, tuple[object, int]] = {}
+        self._calls: dict[str, int] = {}
+        self._lock = threading.Lock()
+
+    def bind(self, owner: str, env, seed: int) -> None:
+        """Calls of execution `owner` are answered by `env` (reset to `seed`)."""
+        with self._lock:
+            self._envs[owner], self._calls[owner] = (env, seed), 0
+
+    def submit(self, job: Job) -> Job:
+        import random
+
+        from ..envs.protocol import has_random_action, random_action
+
+        try:
+            with self._lock:
+                env, seed = self._envs[job.owner]
+                n = self._calls[job.owner] = self._calls[job.owner] + 1
+            if job.request is None or job.request.get("messages") is None:
+                raise ValueError("the expert answers chat requests only (/v1/chat/completions)")
+            rng = random.Random(f"{self.seed}:{seed}:{n}")
+            if self.epsilon > 0 and rng.random() < self.epsilon and has_random_action(env):
+                text = random_action(env, rng)
+            else:
+                text = env.expert_reply(job.request["messages"], job.request.get("tools"))
+            ids = list(self.tokenizer.encode(text, add_special_tokens=False)) + [self.stop_id]
+        except BaseException as exc:  # noqa: BLE001 - the agent's request fails with the expert's error
+            resolve(job, exc=exc)
+            return job
+        if job.on_tokens is not None:
+            job.on_tokens(ids)
+        resolve(job, JobResult(ids, [0.0] * len(ids), [self.version] * len(ids), "stop", 0))
+        return job
+
+    def release(self, key: str) -> None:
+        pass
+
+    def stop(self) -> None:
+        with self._lock:
+            self._envs.clear()

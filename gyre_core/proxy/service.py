@@ -175,7 +175,8 @@ class Proxy:
             raise ProxyError(400, "'stop' must be a string or up to 4 non-empty strings", param="stop")
         temperature = self._temperature(body)
         job = Job("", p.prompt_ids, max_new, temperature, on_tokens=on_tokens,
-                  stop_at=self._stop_at(stops) if stops else None, owner=exe.record.execution_id)
+                  stop_at=self._stop_at(stops) if stops else None, owner=exe.record.execution_id,
+                  request={"messages": p.messages, "tools": p.tools} if kind == "chat" else None)
         call = Call(exe, kind, p, job, body.get("model") or self.model_name, stops, names,
                     logprobs=bool(body.get("logprobs")))
         exe.commit(p, job)                 # everything checked: a new context gets its index and role now

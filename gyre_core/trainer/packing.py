@@ -196,6 +196,18 @@ def pack_branches(branches, max_tokens: int | None = None) -> list[PackedTree]:
     return out
 
 
+def micro_steps(seqs, max_tokens: int, packed: bool) -> list[list]:
+    """The one way a batch is cut into micro-steps, for the RL update, the cells and supervised steps alike:
+    `packed`, tree-packed rows (every unique token computed once, a prefix shared across sequences — a
+    system prompt, an earlier turn — included); else padded, length-sorted chunks. Each is a list for
+    `Trainer.micro_step`, within `max_tokens`."""
+    if packed:
+        return [[t] for t in pack_branches(seqs, max_tokens=max_tokens)]
+    from ..processor.batch import micro_batches
+
+    return micro_batches(seqs, max_tokens)
+
+
 def _cut_points(depth: np.ndarray, N: int, max_tokens: int | None) -> list[int]:
     """Pre-order cut points: a piece [a, b) costs depth[a] recomputed ancestors + (b - a) own tokens.
 

@@ -26,7 +26,7 @@ import threading
 
 import torch
 
-from .losses import collate, decoupled_ppo_loss, nll_loss, ppo_clip_loss, token_logprobs
+from .losses import collate, decoupled_ppo_loss, nll_loss, ppo_clip_loss, scored_logits, token_logprobs
 
 
 def ensure_tree_attention(model) -> None:
@@ -138,8 +138,7 @@ def policy_loss(forward, c, normaliser: float, *, objective: str = "ppo", temper
     """The loss of one collated micro-batch `c` under `forward` (a model, or DeepSpeed's engine around it)
     and its sums over the scored tokens; the caller back-propagates it (`Trainer.micro_step`, or a gradient
     replica on another device, `replicas.DeviceReplicas`). Arguments as `Trainer.micro_step`'s."""
-    out = forward(**c.model_inputs())
-    logp, entropy = token_logprobs(out.logits, c, temperature)
+    logp, entropy = token_logprobs(scored_logits(forward, c), c, temperature)
     if objective == "ppo":
         loss, stats = ppo_clip_loss(logp, c, clip_low, clip_high, normaliser, negative_scale)
     elif objective == "decoupled":
@@ -230,8 +229,7 @@ class Trainer:
         """Log-probs of the scored entries of `seqs` under the current weights, in `collate` order: the
         proximal policy of decoupled PPO when a step runs several epochs (compute it before the first)."""
         c = self._collate(seqs)
-        out = self.engine(**c.model_inputs())
-        return token_logprobs(out.logits, c, temperature)[0].double()
+        return token_logprobs(scored_logits(self.engine, c), c, temperature)[0].double()
 
     @torch.no_grad()
     def policy_shift(self, seqs, *, temperature: float = 1.0, clip_low: float = 0.2,
@@ -242,8 +240,7 @@ class Trainer:
         Sums over scored tokens of the k3 estimate of KL(μ‖π) and of ratios outside the clip range.
         """
         c = self._collate(seqs)
-        out = self.engine(**c.model_inputs())
-        logp, _ = token_logprobs(out.logits, c, temperature)
+        logp, _ = token_logprobs(scored_logits(self.engine, c), c, temperature)
         log_r = logp.double() - (c.old_logprobs if reference is None else reference.to(logp.device))
         r = log_r.exp()
         return {"kl": ((r - 1) - log_r).sum().item(), "tokens": float(c.tgt.numel()),

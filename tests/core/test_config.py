@@ -65,7 +65,7 @@ def test_a_preset_is_a_name_never_a_path(tmp_path):
 
 @pytest.mark.bad_input("an unknown preset")
 def test_unknown_preset_lists_allowed():
-    with pytest.raises(ConfigError, match=r"preset: unknown preset 'nope' \(allowed: coding-quick, coding-real, coding-smoke, default, elastic-quick, long, proxy-smoke, quick, real-quick, real-smoke, smoke\)"):
+    with pytest.raises(ConfigError, match=r"preset: unknown preset 'nope' \(allowed: agent, agent-long, agent-quick, coding-quick, coding-real, coding-smoke, default, elastic-quick, long, proxy-smoke, quick, real-quick, real-smoke, smoke\)"):
         load_config("nope")
 
 

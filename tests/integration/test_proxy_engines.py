@@ -102,7 +102,7 @@ def test_the_openai_sdk_agent_trains_through_the_proxy_with_exact_tokens(tiny):
     stops = stop_token_ids(model, tok)
     eng = LoggedEngine(LocalEngine(model, stops, seed=0))
     specs = [ExecutionSpec("r", 0, f"r/s0/t{i // 2}/g{i % 2}", f"seed{i // 2}", i // 2, "train") for i in range(4)]
-    records = run_external(cfg, ChatFormat(tok), {i: tok.decode([i]) for i in stops}, eng, 1.0, specs,
+    records = run_external(cfg, ChatFormat(tok), {i: tok.decode([i]) for i in stops}, CellPool([eng]), 1.0, specs,
                            lambda: load_env(env_cfg.target, **env_cfg.kwargs))
     assert [r.status for r in records] == ["done"] * 4, [r.error for r in records]
     index = engine_index(eng)
@@ -213,7 +213,7 @@ def test_a_proxy_that_stops_mid_run_fails_the_executions_in_flight(tiny, monkeyp
 
     eng = Stopping(model, stops, seed=0)
     specs = [ExecutionSpec("r", 0, f"r/s0/t{i}/g0", f"seed{i}", i, "train") for i in range(4)]
-    records = run_external(cfg, ChatFormat(tok), {i: tok.decode([i]) for i in stops}, eng, 1.0, specs,
+    records = run_external(cfg, ChatFormat(tok), {i: tok.decode([i]) for i in stops}, CellPool([eng]), 1.0, specs,
                            lambda: load_env(cfg.env.target, **cfg.env.kwargs))
     assert len(records) == 4 and not servers[0].alive()
     # all four were in flight at the third call (each makes several): none is scored on what it left
