@@ -14,7 +14,7 @@ points.
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 
 Z95 = 1.959963984540054
 
@@ -33,6 +33,11 @@ class EvalResult:
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+    @classmethod
+    def of(cls, d: dict) -> "EvalResult":
+        """From an evaluation marker's entry, which holds more figures beside these (agent statistics)."""
+        return cls(**{f.name: d[f.name] for f in fields(cls)})
 
 
 def summarize(label: str, policy: str, seeds: list[int], successes: list[bool], partials: list[float],

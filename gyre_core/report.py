@@ -41,7 +41,7 @@ def summarize(run_dir: str, started_at: float | None = None) -> dict:
         "eval_paired": bool(before.get("sampled") and after.get("sampled")
                             and before["sampled"]["seeds"] == after["sampled"]["seeds"]),
     }
-    b, a, c = (EvalResult(**x["sampled"]) if x.get("sampled") else None for x in (before, after, ctrl_eval))
+    b, a, c = (EvalResult.of(x["sampled"]) if x.get("sampled") else None for x in (before, after, ctrl_eval))
 
     def interval(first: EvalResult, second: EvalResult, metric: str = "success") -> dict:   # second − first
         return paired(first, second, metric).as_summary()
@@ -52,7 +52,7 @@ def summarize(run_dir: str, started_at: float | None = None) -> dict:
     if base.get("sampled"):   # the initial model, before the warm start
         summary["base"] = ev(base, "sampled")
         if b is not None:
-            summary["warm_start_vs_base"] = interval(EvalResult(**base["sampled"]), b)
+            summary["warm_start_vs_base"] = interval(EvalResult.of(base["sampled"]), b)
     if c is not None:   # the supervised-only control, on the same seeds
         summary["control"] = {**ev(ctrl_eval, "sampled"), "budget_s": ctrl.get("budget_s"),
                               "wall_s": ctrl.get("wall_s"), "sft_steps": ctrl.get("sft_steps"),

@@ -101,7 +101,7 @@ def run_control(base: RunDir, name: str, preset: str, overrides: list[str], minu
 
 def _row(base: RunDir, name: str, overrides: list[str], after: dict, seconds: float, **extra) -> dict:
     """One table row: the variant's sampled success against the shared "before", paired by seed."""
-    b, a = (EvalResult(**x["sampled"]) for x in (base.done(eval_marker("before")), after))
+    b, a = (EvalResult.of(x["sampled"]) for x in (base.done(eval_marker("before")), after))
     diff = paired(b, a)
     return {"setting": name, "overrides": overrides, "before": b.success, "after": a.success,
             "diff": diff.mean, "ci95_low": diff.ci95_low, "ci95_high": diff.ci95_high, "episodes": b.episodes,

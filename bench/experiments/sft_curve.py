@@ -67,12 +67,12 @@ def main(argv: list[str] | None = None) -> None:
         train_s[0] += time.time() - last[0]
         publish_weights(trainer.state_dict(), run.weights_uri(k))
         res = phases.evaluate(d, f"sft{k}", version=k)
-        cur = EvalResult(**res["sampled"])
+        cur = EvalResult.of(res["sampled"])
         row = {"name": args.name, "overrides": args.overrides, "sft_steps": k, "success": cur.success,
                "partial": cur.partial, "episodes": cur.episodes, "train_minutes": train_s[0] / 60,
                "lr": phases.supervised.supervised_lr(cfg.warmstart, k - 1, cfg.warmstart.steps)}
         if rows:
-            prev = EvalResult(**rows[-1].pop("_res"))
+            prev = EvalResult.of(rows[-1].pop("_res"))
             diff = paired(prev, cur)
             row.update(diff_prev=diff.mean, ci95_low=diff.ci95_low, ci95_high=diff.ci95_high)
         print(f"[{args.name}] {k:5d} SFT steps ({row['train_minutes']:.1f} min training): success "

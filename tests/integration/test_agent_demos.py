@@ -23,7 +23,7 @@ def tok():
 
 
 def _demos(tok, overrides, n=4, epsilon=0.0):
-    cfg = load_config("agent", overrides)
+    cfg = load_config("agent", ["env.kwargs={sites: 3, lines: 4, distractors: 2}", *overrides])
     stop = tok.convert_tokens_to_ids(IM_END)
     specs = [ExecutionSpec("r", -1, f"r/demo/{i}", f"seed{i}", 50 + i, "demo") for i in range(n)]
     records = run_external(cfg, ChatFormat(tok), {stop: IM_END}, ExpertPool(tok, stop, epsilon, seed=0), None, specs,
@@ -62,8 +62,10 @@ def test_the_program_records_the_experts_work_as_the_tokens_rl_will_see(tok):
 
 
 def test_a_noisy_expert_takes_random_actions_and_still_lands_some_successes(tok):
-    _, _, records = _demos(tok, [], n=8, epsilon=0.5)
-    _, _, again = _demos(tok, [], n=8, epsilon=0.5)
+    no_compaction = ["harness.command=[python,examples/workspace_agent.py,--max-tokens,64,--compact-at,4000]",
+                     "harness.max_new_tokens=64"]
+    _, _, records = _demos(tok, no_compaction, n=8, epsilon=0.3)
+    _, _, again = _demos(tok, no_compaction, n=8, epsilon=0.3)
     calls = [[c.completion_ids for c in r.calls] for r in records]
     assert calls == [[c.completion_ids for c in r.calls] for r in again]      # drawn from seed and call number
     assert 0 < sum(r.success for r in records) < 8
