@@ -38,9 +38,9 @@ Optional hooks (use `supports(env, hook)` to ask whether an env has one):
   action, or a tool call in the harness's format): the random floor of evaluations and the noise of an
   imperfect demonstrator (`warmstart.expert_epsilon`). Without it both draw from `actions`; an environment
   with neither has no random floor.
-- `expert_reply(self, messages: list[dict]) -> str` — the expert as an agent program's model: its reply
-  (completion text, tool calls in the harness's format) to a request's OpenAI chat messages, from what the
-  conversation shows. The warm start serves it through the recording proxy, so an unmodified agent program
+- `expert_reply(self, messages: list[dict], tools: list[dict] | None) -> str` — the expert as an agent
+  program's model: its reply (completion text, tool calls in the harness's format) to a request's OpenAI
+  chat messages and tools, from what the conversation shows. The warm start serves it through the recording proxy, so an unmodified agent program
   (`harness.command`) records its own demonstrations as the exact tokens RL will see.
 - `close(self) -> None` — called once an execution is over (scored or failed): let go of what the
   environment holds per execution (an interpreter, a game process, a container). An exception is reported
