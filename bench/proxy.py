@@ -220,6 +220,7 @@ def fidelity(tok, model, executions: int, tag: str = "") -> dict:
     from gyre_core.harness.external import run_external
     from gyre_core.harness.loop import ExecutionSpec
     from gyre_core.model import stop_token_ids
+    from gyre_core.proxy.pool import CellPool
 
     stops = stop_token_ids(model, tok)
     eng = LoggedEngine(LocalEngine(model, stops, seed=0))
@@ -227,7 +228,7 @@ def fidelity(tok, model, executions: int, tag: str = "") -> dict:
                "harness.max_new_tokens=16", "rollout.concurrency=8")
     specs = [ExecutionSpec("bench", 0, f"bench/f{i}", f"seed{i // 4}", i // 4, "train") for i in range(executions)]
     t0 = time.perf_counter()
-    records = run_external(cfg, ChatFormat(tok), {i: tok.decode([i]) for i in stops}, eng, 1.0, specs,
+    records = run_external(cfg, ChatFormat(tok), {i: tok.decode([i]) for i in stops}, CellPool([eng]), 1.0, specs,
                            lambda: load_env(cfg.env.target, **cfg.env.kwargs))
     wall = time.perf_counter() - t0
     index = engine_index(eng)

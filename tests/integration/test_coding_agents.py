@@ -45,7 +45,9 @@ def test_mini_swe_agent_runs_through_the_proxy_with_its_commands_sandboxed():
                                        "eval.random_baseline=false"])
     SeenEnv.seen = []
     eng = ScriptedEngine(tok, SCRIPT)
-    [rec] = run_external(cfg, ChatFormat(tok), {stop: IM_END}, eng, 1.0, [ExecutionSpec("r", 0, "r/e0", "t", 3, "train")],
+    from gyre_core.proxy.pool import CellPool
+
+    [rec] = run_external(cfg, ChatFormat(tok), {stop: IM_END}, CellPool([eng]), 1.0, [ExecutionSpec("r", 0, "r/e0", "t", 3, "train")],
                          lambda: SeenEnv("inflection"))
     assert rec.status == "done", rec.error
     first, second = rec.calls                               # two model calls: the commands, then the submission

@@ -261,6 +261,7 @@ def test_the_openai_sdk_agent_through_the_proxy_on_vllm(engine, policy):
     from gyre_core.harness.conversation import ChatFormat
     from gyre_core.harness.external import run_external
     from gyre_core.harness.loop import ExecutionSpec
+    from gyre_core.proxy.pool import CellPool
 
     _, model, tok = policy
     cfg = load_config("proxy-smoke", ["harness.command=[python,examples/openai_agent.py,--max-turns,3,--max-tokens,12,"
@@ -268,7 +269,7 @@ def test_the_openai_sdk_agent_through_the_proxy_on_vllm(engine, policy):
     logged = LoggedEngine(engine)
     stops = engine.stop_ids
     specs = [ExecutionSpec("r", 0, f"r/e{i}", f"seed{i}", i, "train") for i in range(4)]
-    records = run_external(cfg, ChatFormat(tok), {i: tok.decode([i]) for i in stops}, logged, 1.0, specs,
+    records = run_external(cfg, ChatFormat(tok), {i: tok.decode([i]) for i in stops}, CellPool([logged]), 1.0, specs,
                            lambda: load_env(cfg.env.target, **cfg.env.kwargs))
     assert [r.status for r in records] == ["done"] * 4, [r.error for r in records]
     calls = [c for r in records for c in r.calls]
